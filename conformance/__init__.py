@@ -1,0 +1,9 @@
+"""Linen/NNX conformance harness: check that a Flax model's two backends agree.
+
+Modules: :mod:`~conformance.families` (the Family contract and registry),
+:mod:`~conformance.trees` (paths and structure), :mod:`~conformance.sharding` (meshes and
+logical axes), :mod:`~conformance.numerics` (tolerances and comparison),
+:mod:`~conformance.backends` (building and running each side),
+:mod:`~conformance.checks` (the checks), :mod:`~conformance.goldens` (golden files) and
+:mod:`~conformance.plugin` (the pytest plugin).
+"""

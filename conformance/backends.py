@@ -1,0 +1,205 @@
+"""The two sides of every comparison: build, place and run a family under Linen and NNX.
+
+Parameters of both sides are handled as flat ``{canonical path: array}`` dicts, so that
+transplanting, comparing and reporting never depend on how a backend nests its trees.
+Runners are cached per ``(family, config)``: their jitted functions compile once per
+input sharding and are reused by every check.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from conformance.families import Batch, Family
+from conformance.sharding import Logical, MeshSpec, linen_logical, nnx_logical, resolve_spec
+from conformance.trees import (
+    Flat,
+    LeafSpec,
+    check_bijection,
+    flatten,
+    flatten_state,
+    join_path,
+    map_paths,
+    specs,
+    unflatten,
+)
+
+HIDDEN_STATES = "hidden_states"
+
+
+class TransplantError(ValueError):
+    """Parameters could not be moved to the other side without loss."""
+
+
+def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return batch.tokens, batch.positions, batch.segment_ids
+
+
+def _sown_hidden(tree: Any) -> jax.Array | None:
+    """The ``hidden_states`` intermediate a family sows, if any."""
+    hits = [leaf for path, leaf in flatten(tree).items() if HIDDEN_STATES in path.split("/")]
+    return hits[0] if len(hits) == 1 else None
+
+
+class LinenRunner:
+    """A family's Linen module: abstract layout, sharded init and a jitted forward."""
+
+    def __init__(self, family: Family, config: Any) -> None:
+        self.family, self.config = family, config
+        self.module = family.linen_module(config)
+        example = _inputs(family.batch(config, 1))
+        boxed = jax.eval_shape(self.module.init, jax.random.key(0), *example)["params"]
+        self.logical: dict[str, Logical] = linen_logical(boxed)
+        self.specs: dict[str, LeafSpec] = specs(flatten(nn.meta.unbox(boxed)))
+        self._forward = jax.jit(self._forward_impl)
+        self._init_fns: dict[Any, Any] = {}
+
+    def _init_impl(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
+        return nn.meta.unbox(self.module.init(key, *_inputs(batch))["params"])
+
+    def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
+        """Initialise parameters from ``seed``, created directly with ``shardings``."""
+        key = tuple(sorted(shardings.items())) if shardings else None
+        if key not in self._init_fns:
+            out = unflatten(shardings) if shardings else None
+            self._init_fns[key] = jax.jit(self._init_impl, out_shardings=out)
+        batch = self.family.batch(self.config, 1)
+        return flatten(self._init_fns[key](jax.random.key(seed), batch))
+
+    def _forward_impl(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
+        logits, state = self.module.apply(
+            {"params": params}, *_inputs(batch), mutable=["intermediates"]
+        )
+        return logits, _sown_hidden(state)
+
+    def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+        """Logits and sown per-block hidden states for ``batch``."""
+        return self._forward(unflatten(params), batch)
+
+
+class NnxRunner:
+    """A family's NNX module: abstract layout, sharded init and a jitted forward."""
+
+    def __init__(self, family: Family, config: Any) -> None:
+        self.family, self.config = family, config
+        abstract = nnx.eval_shape(lambda: self._build(0))
+        self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
+        self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
+        self._abstract_vars = flatten_state(params)
+        self.logical: dict[str, Logical] = nnx_logical(params)
+        self.specs: dict[str, LeafSpec] = specs(self._abstract_vars)
+        self._forward = jax.jit(self._forward_impl)
+        self._init_fns: dict[Any, Any] = {}
+        self.rest: nnx.State | None = None
+
+    def _build(self, seed: int) -> nnx.Module:
+        with nnx.use_eager_sharding(False):
+            return self.family.nnx_module(self.config, nnx.Rngs(seed))
+
+    def state(self, params: Flat) -> nnx.State:
+        """An ``nnx.State`` of Params holding ``params`` (keyed by canonical path)."""
+        return nnx.from_flat_state(
+            [(self._keys[p], self._abstract_vars[p].replace(v)) for p, v in params.items()]
+        )
+
+    def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
+        """Initialise parameters from ``seed``, created directly with ``shardings``.
+
+        Non-parameter state (RNG streams and the like) is kept on the runner, replicated.
+        """
+        key = tuple(sorted(shardings.items())) if shardings else None
+        if key not in self._init_fns:
+            out = None
+            if shardings:
+                mesh = next(iter(shardings.values())).mesh
+                replicated = NamedSharding(mesh, PartitionSpec())
+                out = (
+                    self.state(shardings),
+                    jax.tree.map(lambda _: replicated, self._abstract_rest),
+                )
+            self._init_fns[key] = jax.jit(
+                lambda s: nnx.split(self._build(s), nnx.Param, ...)[1:],
+                static_argnums=0,
+                out_shardings=out,
+            )
+        params, self.rest = self._init_fns[key](seed)
+        return {path: var.get_value() for path, var in flatten_state(params).items()}
+
+    def _forward_impl(
+        self, params: nnx.State, rest: nnx.State, batch: Batch
+    ) -> tuple[jax.Array, Any]:
+        model = nnx.merge(self.graphdef, params, rest)
+        logits, sown = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        return logits, _sown_hidden(sown)
+
+    def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+        """Logits and sown per-block hidden states for ``batch``.
+
+        Call :meth:`init` first: it provides the non-parameter state.
+        """
+        if self.rest is None:
+            raise RuntimeError("NnxRunner.forward needs init() first for non-Param state")
+        return self._forward(self.state(params), self.rest, batch)
+
+
+@functools.cache
+def linen_runner(family: Family, config: Any) -> LinenRunner:
+    """The cached Linen runner for ``(family, config)``."""
+    return LinenRunner(family, config)
+
+
+@functools.cache
+def nnx_runner(family: Family, config: Any) -> NnxRunner:
+    """The cached NNX runner for ``(family, config)``."""
+    return NnxRunner(family, config)
+
+
+def path_map(family: Family, config: Any) -> dict[str, str]:
+    """``{Linen path: NNX path}`` from the family's rules, checked to be a bijection."""
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    mapping = map_paths(family.path_rules(config), linen.specs)
+    check_bijection(mapping, nnx_.specs)
+    return mapping
+
+
+def partition_specs(
+    logical: Mapping[str, Logical], family: Family, mesh: MeshSpec
+) -> dict[str, PartitionSpec]:
+    """Resolve every leaf's logical names with the family's rules on ``mesh``."""
+    rules = family.logical_axis_rules()
+    return {path: resolve_spec(names, rules, mesh) for path, names in logical.items()}
+
+
+def transplant(
+    source: Flat,
+    mapping: Mapping[str, str],
+    target: Mapping[str, LeafSpec],
+    shardings: Mapping[str, NamedSharding] | None = None,
+) -> Flat:
+    """Move ``source`` parameters to the target side's paths, placed with ``shardings``.
+
+    Guarantees what ``nnx.update`` does not: every target leaf receives a value, no
+    source leaf is dropped, and shapes and dtypes agree; otherwise
+    :class:`TransplantError` lists every offending path.
+    """
+    moved = {mapping.get(path, path): value for path, value in source.items()}
+    problems = [
+        f"  {p}: not set (no source leaf maps to it)" for p in sorted(set(target) - set(moved))
+    ]
+    problems += [f"  {p}: extra (no such target leaf)" for p in sorted(set(moved) - set(target))]
+    for path in sorted(set(moved) & set(target)):
+        got = LeafSpec.of(moved[path])
+        if got != target[path]:
+            problems.append(f"  {path}: source {got} != target {target[path]}")
+    if problems:
+        raise TransplantError("transplant would lose parameters:\n" + "\n".join(problems))
+    if shardings is None:
+        return moved
+    return {path: jax.device_put(value, shardings[path]) for path, value in moved.items()}

@@ -1,0 +1,144 @@
+"""The Family contract and the family registry.
+
+A *family* tells the harness how to build one model twice, once with Flax Linen and
+once with Flax NNX, and how the two parameter trees correspond. The harness never
+imports a concrete family: built-in families and third-party ones alike are found
+through the ``conformance.families`` entry point group, whose values name either a
+:class:`Family` instance or a zero-argument callable returning one.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+ENTRY_POINT_GROUP = "conformance.families"
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+"""Logical-axis rules, ``(logical_name, mesh_axis or axes or None)``, first match wins."""
+
+PathRules = Sequence[tuple[str, str]]
+"""Regex rewrites ``(pattern, replacement)`` taking a Linen parameter path to its NNX path."""
+
+
+class FamilyError(LookupError):
+    """A family name or a family definition is not usable."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A deterministic batch: int32 arrays of shape ``[batch, seq]``.
+
+    ``segment_ids`` is 1 on real tokens and 0 on padding; ``targets`` are the next tokens.
+    A pytree, so it can be passed to jitted functions and placed with ``device_put``.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    targets: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a family supports, so the suite skips with a reason instead of failing."""
+
+    scan_layers: tuple[bool, ...] = (False, True)
+    decode: bool = False
+    moe: bool = False
+    quantization: frozenset[str] = frozenset()
+
+
+class Family(abc.ABC):
+    """One model family, written for both backends.
+
+    Module conventions the suite relies on:
+
+    * ``linen_module(config).apply({"params": p}, tokens, positions, segment_ids)`` and
+      ``nnx_module(config, rngs)(tokens, positions, segment_ids)`` return logits
+      ``[batch, seq, vocab]`` in the config's compute dtype.
+    * Both sides sow the stacked outputs of their decoder blocks, ``[layers, batch,
+      seq, d_model]``, as an intermediate named ``hidden_states`` on the top module
+      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``), so a forward
+      mismatch can be traced to the first block that diverges.
+    * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
+      NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
+    """
+
+    name: str
+    """Registry name, lower case, used in test ids."""
+
+    sizes: tuple[str, ...] = ("tiny",)
+    """Config sizes; ``"tiny"`` is run on devices, the others only abstractly."""
+
+    capabilities: Capabilities = Capabilities()
+
+    @abc.abstractmethod
+    def config(self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32) -> Any:
+        """Return the config of ``size`` with the given layer layout and compute dtype."""
+
+    @abc.abstractmethod
+    def linen_module(self, config: Any) -> nn.Module:
+        """Return the Linen module for ``config``."""
+
+    @abc.abstractmethod
+    def nnx_module(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+        """Return the NNX module for ``config``, initialised from ``rngs``."""
+
+    @abc.abstractmethod
+    def batch(self, config: Any, batch_size: int, seed: int = 0) -> Batch:
+        """Return a deterministic batch for ``config`` (same seed, same batch)."""
+
+    def path_rules(self, config: Any) -> PathRules:
+        """Rewrites from Linen parameter paths to NNX ones; identity by default."""
+        del config
+        return ()
+
+    @abc.abstractmethod
+    def logical_axis_rules(self) -> LogicalRules:
+        """Return the logical-axis rules both backends are sharded with."""
+
+    def __repr__(self) -> str:
+        return f"<Family {self.name}>"
+
+
+def _load(entry_point: Any) -> Family:
+    obj = entry_point.load()
+    family = obj() if callable(obj) and not isinstance(obj, Family) else obj
+    if not isinstance(family, Family):
+        raise FamilyError(
+            f"entry point {entry_point.name!r} = {entry_point.value!r} in group "
+            f"{ENTRY_POINT_GROUP!r} gave {type(family).__name__}, not a conformance Family"
+        )
+    if family.name != entry_point.name:
+        raise FamilyError(
+            f"entry point {entry_point.name!r} = {entry_point.value!r} registers a family "
+            f"named {family.name!r}; the two names must agree"
+        )
+    return family
+
+
+@functools.cache
+def registry() -> Mapping[str, Family]:
+    """All families reachable through the entry point group, by name, sorted."""
+    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {name: _load(found[name]) for name in sorted(found)}
+
+
+def get(name: str) -> Family:
+    """Return the family registered as ``name``; a :class:`FamilyError` lists the known ones."""
+    families = registry()
+    if name not in families:
+        known = ", ".join(families) or "none (is the package installed?)"
+        raise FamilyError(f"unknown family {name!r}; known families: {known}")
+    return families[name]

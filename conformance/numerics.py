@@ -1,0 +1,179 @@
+"""Tolerance policy and array/tree comparison with reports that name the failing leaf.
+
+Two values agree when ``|a - b| <= atol + rtol * |b|`` (``b`` is the second side, as in
+``torch.testing.assert_close``), compared in float64 after upcasting. A NaN or Inf agrees
+only with the same non-finite value at the same index; it is never masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance for one dtype."""
+
+    atol: float
+    rtol: float
+
+    def __str__(self) -> str:
+        return f"atol={self.atol:g} rtol={self.rtol:g}"
+
+
+EXACT = Tolerance(0.0, 0.0)
+
+POLICY: Mapping[str, Tolerance] = {
+    "float64": Tolerance(1e-7, 1e-7),
+    "float32": Tolerance(1e-5, 1.3e-6),
+    "bfloat16": Tolerance(1e-5, 1.6e-2),
+    "float16": Tolerance(1e-5, 1e-3),
+}
+"""The DESIGN.md section 6 policy, by dtype name; integer and bool dtypes compare exactly."""
+
+
+def tolerance_for(*dtypes: Any) -> Tolerance:
+    """The policy's tolerance for comparing values of these dtypes: the loosest one wins."""
+    tolerances = [POLICY.get(np.dtype(d).name, EXACT) for d in dtypes]
+    return max(tolerances, key=lambda t: (t.rtol, t.atol))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """How one leaf failed: enough to fix the bug from the message alone."""
+
+    path: str
+    index: tuple[int, ...]
+    first: float
+    second: float
+    count: int
+    size: int
+    max_abs: float
+    max_rel: float
+    tolerance: Tolerance
+    reason: str = ""
+
+    def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
+        """One paragraph: the leaf, the worst index, both values, the errors and tolerance."""
+        a, b = names
+        head = f"{self.path}: {self.count} of {self.size} elements differ"
+        if self.reason:
+            head += f" ({self.reason})"
+        return (
+            f"{head}\n"
+            f"    worst at index {list(self.index)}: {a}={self.first!r} {b}={self.second!r}\n"
+            f"    max |a-b|={self.max_abs:.3e}  max rel={self.max_rel:.3e}  "
+            f"tolerance {self.tolerance}"
+        )
+
+
+def _as_f64(x: Any) -> np.ndarray:
+    return np.asarray(np.asarray(x).astype(np.float64))
+
+
+def compare_arrays(
+    path: str,
+    first: Any,
+    second: Any,
+    tolerance: Tolerance | None = None,
+    reference: Any | None = None,
+) -> Mismatch | None:
+    """Compare two arrays elementwise; ``None`` if they agree, else the :class:`Mismatch`.
+
+    ``tolerance`` defaults to the policy for the two dtypes. With ``reference`` (a more
+    precise result of the same computation), an element outside tolerance is still
+    accepted when the second side is no farther from the reference than the first one:
+    the tie-break of DESIGN.md section 6 for low-precision dtypes.
+    """
+    a, b = np.asarray(first), np.asarray(second)
+    tol = tolerance or tolerance_for(a.dtype, b.dtype)
+    if a.shape != b.shape:
+        return Mismatch(
+            path,
+            (),
+            np.nan,
+            np.nan,
+            a.size,
+            max(a.size, b.size),
+            np.inf,
+            np.inf,
+            tol,
+            f"shape {list(a.shape)} != {list(b.shape)}",
+        )
+    a64, b64 = _as_f64(a), _as_f64(b)
+    finite = np.isfinite(a64) & np.isfinite(b64)
+    same_nonfinite = ~finite & ((a64 == b64) | (np.isnan(a64) & np.isnan(b64)))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(finite, np.abs(a64 - b64), np.inf)
+        outside = finite & (diff > tol.atol + tol.rtol * np.abs(b64))
+    bad = outside | (~finite & ~same_nonfinite)
+    if reference is not None and bad.any():
+        ref = _as_f64(reference)
+        bad &= np.abs(b64 - ref) > np.abs(a64 - ref)
+    if not bad.any():
+        return None
+    rel = np.where(finite, diff / np.maximum(np.abs(b64), np.finfo(np.float64).tiny), np.inf)
+    scored = np.where(bad, diff, -1.0)
+    worst = np.unravel_index(int(np.argmax(scored)), a.shape) if a.ndim else ()
+    nonfinite = int((bad & ~finite).sum())
+    reason = f"{nonfinite} non-finite on one side only" if nonfinite else ""
+    return Mismatch(
+        path=path,
+        index=tuple(int(i) for i in worst),
+        first=float(a64[worst]),
+        second=float(b64[worst]),
+        count=int(bad.sum()),
+        size=int(a.size),
+        max_abs=float(np.max(np.where(bad, diff, 0.0))),
+        max_rel=float(np.max(np.where(bad, rel, 0.0))),
+        tolerance=tol,
+        reason=reason,
+    )
+
+
+def compare_trees(
+    first: Mapping[str, Any],
+    second: Mapping[str, Any],
+    tolerance: Tolerance | None = None,
+    reference: Mapping[str, Any] | None = None,
+) -> list[Mismatch]:
+    """Compare two flat trees with the same paths; one :class:`Mismatch` per failing leaf.
+
+    The trees must have the same paths (check structure first); a path on one side only
+    is reported as a mismatch, never skipped.
+    """
+    mismatches = []
+    for path in sorted(set(first) | set(second)):
+        if path not in first or path not in second:
+            side = "second" if path not in second else "first"
+            mismatches.append(
+                Mismatch(
+                    path,
+                    (),
+                    np.nan,
+                    np.nan,
+                    0,
+                    0,
+                    np.inf,
+                    np.inf,
+                    tolerance or EXACT,
+                    f"missing on the {side} side",
+                )
+            )
+            continue
+        ref = None if reference is None else reference.get(path)
+        found = compare_arrays(path, first[path], second[path], tolerance, ref)
+        if found is not None:
+            mismatches.append(found)
+    return mismatches
+
+
+def report(title: str, mismatches: Sequence[Mismatch], names: tuple[str, str]) -> str:
+    """A failure message: the title line, then every mismatching leaf, worst first."""
+    ordered = sorted(mismatches, key=lambda m: -m.max_abs)
+    body = "\n".join("  " + m.describe(names) for m in ordered)
+    return f"{title}: {len(mismatches)} leaf(s) disagree\n{body}"

@@ -1,0 +1,201 @@
+"""Meshes, logical-axis resolution and per-leaf sharding extraction.
+
+Linen and NNX resolve logical axis rules differently (an unknown name is ``None`` in
+Linen and stays literal in NNX; on duplicate rule keys Linen takes the first, NNX the
+last), so the harness never asks either backend: it reads the logical names each side
+declares and resolves both through :func:`resolve_spec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from conformance.families import LogicalRules
+from conformance.trees import flatten, flatten_state
+
+Logical = tuple[str | None, ...] | None
+"""Logical axis names of one leaf, one per dimension; ``None`` if the leaf has none."""
+
+MESH_AXES = ("data", "fsdp", "tensor")
+"""Axis names, in order, of the ``DxFxT`` shorthand."""
+
+MESH_FORMS = (
+    "'axis=N[,axis=N...]' (e.g. 'fsdp=8' or 'data=2,fsdp=2,tensor=2'), "
+    "'DxFxT' for data x fsdp x tensor (e.g. '2x2x2'), or a mesh id (e.g. 'data2-fsdp2-tensor2')"
+)
+
+
+class MeshSpecError(ValueError):
+    """A mesh spec string is malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """A named mesh shape such as ``data=2, fsdp=2, tensor=2`` (id ``data2-fsdp2-tensor2``)."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def id(self) -> str:
+        """Readable id used in test ids and golden file names."""
+        return "-".join(f"{name}{size}" for name, size in self.axes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Mesh axis names, in order."""
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh axis sizes, in order."""
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def size(self) -> int:
+        """Number of devices the mesh needs."""
+        return math.prod(self.shape)
+
+    def sizes(self) -> dict[str, int]:
+        """``{axis name: size}``."""
+        return dict(self.axes)
+
+    def abstract(self) -> AbstractMesh:
+        """An ``AbstractMesh`` of this shape: shardings without devices."""
+        return AbstractMesh(self.shape, self.names, axis_types=(AxisType.Auto,) * len(self.axes))
+
+    def devices(self) -> Mesh:
+        """A device mesh of this shape on the first ``size`` devices, with Auto axes.
+
+        Raises :class:`InsufficientDevices` if there are fewer devices than the mesh needs.
+        """
+        available = jax.devices()
+        if len(available) < self.size:
+            raise InsufficientDevices(
+                f"mesh {self.id} needs {self.size} devices; {len(available)} "
+                f"{available[0].platform} device(s) available"
+            )
+        return jax.make_mesh(
+            self.shape,
+            self.names,
+            axis_types=(AxisType.Auto,) * len(self.axes),
+            devices=available[: self.size],
+        )
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class InsufficientDevices(RuntimeError):
+    """The mesh needs more devices than this process has."""
+
+
+_PAIR = re.compile(r"^([A-Za-z_]\w*)=([1-9]\d*)$")
+_ID_PART = re.compile(r"^([A-Za-z_]+)([1-9]\d*)$")
+_SHORTHAND = re.compile(r"^[1-9]\d*(x[1-9]\d*){2}$")
+
+
+def parse_mesh(text: str) -> MeshSpec:
+    """Parse a mesh spec; a :class:`MeshSpecError` names the valid forms."""
+    text = text.strip()
+    if _SHORTHAND.match(text):
+        axes = tuple(zip(MESH_AXES, (int(n) for n in text.split("x")), strict=True))
+    elif "=" in text:
+        matches = [_PAIR.match(part.strip()) for part in text.split(",")]
+        if not all(matches):
+            raise MeshSpecError(f"malformed mesh spec {text!r}; use {MESH_FORMS}")
+        axes = tuple((m.group(1), int(m.group(2))) for m in matches if m)
+    else:
+        matches = [_ID_PART.match(part) for part in text.split("-")]
+        if not text or not all(matches):
+            raise MeshSpecError(f"malformed mesh spec {text!r}; use {MESH_FORMS}")
+        axes = tuple((m.group(1), int(m.group(2))) for m in matches if m)
+    names = [name for name, _ in axes]
+    if len(set(names)) != len(names):
+        raise MeshSpecError(f"mesh spec {text!r} names an axis twice; use {MESH_FORMS}")
+    return MeshSpec(axes)
+
+
+class UnknownLogicalAxis(KeyError):
+    """A leaf names a logical axis that no rule resolves."""
+
+
+def resolve_spec(logical: Logical, rules: LogicalRules, mesh: MeshSpec) -> PartitionSpec:
+    """Resolve one leaf's logical axis names to a ``PartitionSpec`` on ``mesh``.
+
+    For each dimension the first rule for its name wins; mesh axes the mesh lacks are
+    dropped, and a mesh axis already used by an earlier dimension is not used again, so
+    the spec is always valid. A name with no rule raises :class:`UnknownLogicalAxis`.
+    """
+    if logical is None:
+        return PartitionSpec()
+    table: dict[str, Any] = {}
+    for name, target in rules:
+        table.setdefault(name, target)
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for name in logical:
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in table:
+            raise UnknownLogicalAxis(name)
+        target = table[name]
+        targets = (target,) if isinstance(target, str) else tuple(target or ())
+        kept = tuple(a for a in targets if a in mesh.names and a not in used)
+        used.update(kept)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
+def linen_logical(variables: Any) -> dict[str, Logical]:
+    """``{path: logical names}`` for a Linen collection of boxed (or plain) leaves."""
+    flat = flatten(variables, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    return {
+        path: tuple(leaf.names) if isinstance(leaf, nn.LogicallyPartitioned) else None
+        for path, leaf in flat.items()
+    }
+
+
+def nnx_logical(state: nnx.State) -> dict[str, Logical]:
+    """``{path: logical names}`` from the ``out_sharding`` metadata of NNX Variables."""
+    result: dict[str, Logical] = {}
+    for path, var in flatten_state(state).items():
+        names = var.get_metadata().get("out_sharding")
+        result[path] = None if names is None else tuple(names)
+    return result
+
+
+def spec_to_json(spec: PartitionSpec, ndim: int) -> list[Any]:
+    """A ``PartitionSpec`` as a plain list of length ``ndim`` (``None``, a name, or names)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [list(e) if isinstance(e, tuple) else e for e in entries]
+
+
+def indivisible(
+    shape: Sequence[int], spec: PartitionSpec, mesh: MeshSpec
+) -> list[tuple[int, int, int]]:
+    """Dimensions that the spec shards unevenly: ``(dim, size, shards)`` for each."""
+    sizes = mesh.sizes()
+    bad = []
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        shards = math.prod(sizes[a] for a in axes)
+        if shape[dim] % shards:
+            bad.append((dim, int(shape[dim]), shards))
+    return bad
+
+
+def named_shardings(specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, NamedSharding]:
+    """``{path: NamedSharding}`` on a device mesh."""
+    return {path: NamedSharding(mesh, spec) for path, spec in specs.items()}
