@@ -1,0 +1,25 @@
+"""``python -m conformance``: the parity run of every registered family on the CPU mesh.
+
+Runs the conformance suite and prints the family x check agreement matrix; extra
+arguments go to pytest (e.g. ``--family llama`` or ``--mesh fsdp=8``). Exits non-zero
+when any check disagrees.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conformance.environment import configure_host_platform
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite with ``argv`` as extra pytest arguments; return pytest's exit code."""
+    configure_host_platform()
+    args = ["--pyargs", "conformance.suite", "-q", "-p", "no:cacheprovider"]
+    return int(pytest.main([*args, *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The checks, as plain functions: each raises :class:`CheckFailure` with a full report.
+
+The pytest suite is a thin layer over these, and the planted-fault tests call them
+directly, so what a user sees in CI is exactly what the fault catalogue asserts on.
+Every message starts with ``<family> <check>:`` and names leaf paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from conformance.backends import (
+    LinenRunner,
+    NnxRunner,
+    TransplantError,
+    linen_runner,
+    nnx_runner,
+    transplant,
+)
+from conformance.families import Batch, Family
+from conformance.numerics import compare_arrays, report, tolerance_for
+from conformance.sharding import (
+    Logical,
+    MeshSpec,
+    UnknownLogicalAxis,
+    indivisible,
+    resolve_spec,
+    spec_to_json,
+)
+from conformance.trees import (
+    Flat,
+    PathMapError,
+    check_bijection,
+    map_paths,
+    structure_diff,
+)
+
+BATCH_SIZE = 8
+"""Rows per batch on device meshes: divisible by every default mesh's batch sharding."""
+
+INIT_Z = 6.0
+"""Init check bound: per-leaf means and stds may differ by this many standard errors."""
+
+
+class CheckFailure(AssertionError):
+    """A check found a divergence; the message is the full report."""
+
+
+def fail(family: Family, check: str, message: str) -> NoReturn:
+    """Raise :class:`CheckFailure` headed ``<family> <check>:``."""
+    raise CheckFailure(f"{family.name} {check}: {message}")
+
+
+def _path_map(family: Family, check: str, config: Any) -> dict[str, str]:
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    try:
+        mapping = map_paths(family.path_rules(config), linen.specs)
+        check_bijection(mapping, nnx_.specs)
+    except PathMapError as err:
+        fail(family, check, str(err))
+    return mapping
+
+
+def check_structure(family: Family, config: Any) -> dict[str, Any]:
+    """Both sides have the same leaves, shapes and dtypes after the path map.
+
+    Returns the golden payload: leaf count and ``{nnx path: {shape, dtype}}``.
+    """
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    mapping = map_paths(family.path_rules(config), linen.specs)
+    problems = structure_diff(linen.specs, nnx_.specs, mapping)
+    if problems:
+        counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
+        fail(
+            family,
+            "structure",
+            f"{len(problems)} difference(s) ({counts})\n  " + "\n  ".join(problems),
+        )
+    return {
+        "leaf_count": len(nnx_.specs),
+        "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
+        "leaves": {p: {"shape": list(s.shape), "dtype": s.dtype} for p, s in nnx_.specs.items()},
+    }
+
+
+def resolve_all(
+    family: Family, check: str, logical: Mapping[str, Logical], mesh: MeshSpec
+) -> dict[str, PartitionSpec]:
+    """Resolve every leaf's logical names on ``mesh``; unknown names fail with their paths."""
+    rules = family.logical_axis_rules()
+    resolved, unknown = {}, []
+    for path, names in logical.items():
+        try:
+            resolved[path] = resolve_spec(names, rules, mesh)
+        except UnknownLogicalAxis as err:
+            unknown.append(f"{path}: logical axis {err.args[0]!r} has no rule")
+    if unknown:
+        fail(family, check, "unknown logical axes\n  " + "\n  ".join(unknown))
+    return resolved
+
+
+def check_sharding(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh | None = None
+) -> dict[str, Any]:
+    """Both sides resolve to the same PartitionSpec per leaf, and every split is even.
+
+    With ``devices``, both sides are also initialised on the mesh and every array is
+    checked to be placed with its resolved spec. Returns the golden payload.
+    """
+    check = "sharding"
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    mapping = _path_map(family, check, config)
+    linen_specs = resolve_all(family, check, linen.logical, mesh)
+    nnx_specs = resolve_all(family, check, nnx_.logical, mesh)
+    problems = []
+    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
+        if linen_specs[src] != nnx_specs[dst]:
+            problems.append(
+                f"{dst}: Linen {linen_specs[src]} (logical {linen.logical[src]}) != "
+                f"NNX {nnx_specs[dst]} (logical {nnx_.logical[dst]})"
+            )
+        for dim, size, shards in indivisible(nnx_.specs[dst].shape, nnx_specs[dst], mesh):
+            problems.append(
+                f"{dst}: dim {dim} of size {size} is split {shards} ways by "
+                f"{nnx_specs[dst]} on mesh {mesh.id}: not divisible"
+            )
+    if problems:
+        fail(
+            family,
+            check,
+            f"{len(problems)} problem(s) on mesh {mesh.id}\n  " + "\n  ".join(problems),
+        )
+    if devices is not None:
+        _check_placement(family, linen, linen_specs, devices, "Linen")
+        _check_placement(family, nnx_, nnx_specs, devices, "NNX")
+    return {
+        "mesh": dict(mesh.axes),
+        "leaves": {
+            dst: {
+                "logical": list(nnx_.logical[dst] or ()),
+                "spec": spec_to_json(nnx_specs[dst], len(nnx_.specs[dst].shape)),
+            }
+            for dst in sorted(nnx_specs)
+        },
+    }
+
+
+def _check_placement(
+    family: Family,
+    runner: LinenRunner | NnxRunner,
+    specs: Mapping[str, PartitionSpec],
+    devices: Mesh,
+    side: str,
+) -> None:
+    shardings = {p: NamedSharding(devices, s) for p, s in specs.items()}
+    params = runner.init(0, shardings)
+    wrong = [
+        f"{path}: expected {shardings[path].spec}, placed as {value.sharding}"
+        for path, value in sorted(params.items())
+        if not value.sharding.is_equivalent_to(shardings[path], value.ndim)
+    ]
+    if wrong:
+        fail(family, "sharding", f"{side} arrays placed off their specs\n  " + "\n  ".join(wrong))
+
+
+def place_batch(family: Family, batch: Batch, mesh: MeshSpec, devices: Mesh) -> Batch:
+    """``batch`` with its batch dimension sharded by the family's ``batch`` rule."""
+    spec = resolve_spec(("batch", None), family.logical_axis_rules(), mesh)
+    sharding = NamedSharding(devices, spec)
+    return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+
+
+def shardings_for(
+    family: Family, logical: Mapping[str, Logical], mesh: MeshSpec, devices: Mesh
+) -> dict[str, NamedSharding]:
+    """``{path: NamedSharding}`` from the logical names of one side."""
+    specs = resolve_all(family, "sharding", logical, mesh)
+    return {path: NamedSharding(devices, spec) for path, spec in specs.items()}
+
+
+def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """Per-leaf mean and std of the two sides' initial values agree within :data:`INIT_Z`.
+
+    Values cannot agree (the backends draw random numbers differently); their
+    distributions must. A leaf constant on one side must equal the other exactly.
+    """
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    mapping = _path_map(family, "init", config)
+    a = linen.init(0, shardings_for(family, linen.logical, mesh, devices))
+    b = nnx_.init(0, shardings_for(family, nnx_.logical, mesh, devices))
+    problems = []
+    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
+        x, y = np.asarray(a[src], np.float64), np.asarray(b[dst], np.float64)
+        n = x.size
+        (mx, sx), (my, sy) = (x.mean(), x.std()), (y.mean(), y.std())
+        if sx == 0 or sy == 0:
+            ok = sx == sy and mx == my
+            bound = "exact (constant initialiser)"
+        else:
+            mean_se = np.sqrt((sx**2 + sy**2) / n)
+            std_se = (sx + sy) / 2 / np.sqrt(n)
+            ok = abs(mx - my) <= INIT_Z * mean_se and abs(sx - sy) <= INIT_Z * std_se
+            bound = f"|dmean| <= {INIT_Z * mean_se:.3g}, |dstd| <= {INIT_Z * std_se:.3g}"
+        if not ok:
+            problems.append(
+                f"{dst}: Linen mean={mx:.6g} std={sx:.6g}; NNX mean={my:.6g} std={sy:.6g}; "
+                f"n={n}; allowed {bound}"
+            )
+    if problems:
+        fail(
+            family,
+            "init",
+            f"{len(problems)} leaf initialiser(s) differ in distribution "
+            f"(bound: {INIT_Z:g} standard errors)\n  " + "\n  ".join(problems),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardResult:
+    """Logits and sown per-block hidden states of one side."""
+
+    logits: jax.Array
+    hidden: jax.Array | None
+
+
+def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any) -> str:
+    if first.hidden is None or second.hidden is None:
+        return "per-block hidden states were not sown on both sides; cannot localise"
+    for layer in range(first.hidden.shape[0]):
+        found = compare_arrays(
+            f"hidden_states[{layer}]", first.hidden[layer], second.hidden[layer], tol
+        )
+        if found is not None:
+            return f"first divergent block: {layer} (output of decoder block {layer})\n  " + (
+                found.describe()
+            )
+    return (
+        "every block's output agrees: the divergence is after the last block (final norm or head)"
+    )
+
+
+def check_forward(
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    reference_config: Any | None = None,
+) -> None:
+    """Logits agree after transplanting Linen -> NNX and NNX -> Linen on ``devices``.
+
+    Tolerance follows the policy for ``config``'s compute dtype. With
+    ``reference_config`` (the same model in a wider dtype), an element outside
+    tolerance passes when NNX is no farther than Linen from the wider Linen result.
+    """
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    mapping = _path_map(family, "forward", config)
+    inverse = {v: k for k, v in mapping.items()}
+    linen_sh = shardings_for(family, linen.logical, mesh, devices)
+    nnx_sh = shardings_for(family, nnx_.logical, mesh, devices)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    nnx_own = nnx_.init(1, nnx_sh)
+    linen_own = linen.init(0, linen_sh)
+    directions = {
+        "Linen params -> NNX": (linen_own, _moved(family, linen_own, mapping, nnx_, nnx_sh)),
+        "NNX params -> Linen": (_moved(family, nnx_own, inverse, linen, linen_sh), nnx_own),
+    }
+    for direction, (linen_params, nnx_params) in directions.items():
+        a = ForwardResult(*linen.forward(linen_params, batch))
+        b = ForwardResult(*nnx_.forward(nnx_params, batch))
+        tol = tolerance_for(a.logits.dtype)
+        found = compare_arrays("logits", a.logits, b.logits, tol)
+        if found is not None and reference_config is not None:
+            ref = linen_runner(family, reference_config).forward(linen_params, batch)[0]
+            found = compare_arrays("logits", a.logits, b.logits, tol, reference=ref)
+        if found is not None:
+            where = _first_divergent_block(a, b, tol)
+            fail(
+                family,
+                "forward",
+                report(f"{direction} on mesh {mesh.id}", [found], ("Linen", "NNX"))
+                + f"\n  {where}",
+            )
+
+
+def _moved(
+    family: Family,
+    params: Flat,
+    mapping: Mapping[str, str],
+    target: LinenRunner | NnxRunner,
+    shardings: Mapping[str, NamedSharding],
+) -> Flat:
+    try:
+        return transplant(params, mapping, target.specs, shardings)
+    except TransplantError as err:
+        fail(family, "forward", str(err))

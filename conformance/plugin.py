@@ -1,0 +1,285 @@
+"""The pytest plugin: options, parametrization, fixtures, golden bookkeeping, the matrix.
+
+Registered through the ``pytest11`` entry point, so any project with this package
+installed can run the suite on its own families: ``pytest --pyargs conformance.suite``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import pytest
+
+from conformance import families as registry
+from conformance.checks import CheckFailure
+from conformance.environment import configure_host_platform
+from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
+
+DEFAULT_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+DEFAULT_TOPOLOGIES = ("4x4x4", "4x8x8")
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+LAYOUTS = {"loop": False, "scan": True}
+
+_FAMILIES = pytest.StashKey[list[registry.Family]]()
+_MESHES = pytest.StashKey[dict[str, list[MeshSpec]]]()
+_CLAIMED = pytest.StashKey[set[Path]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Declare ``--family``, ``--mesh``, ``--topology`` and the goldens ini option."""
+    group = parser.getgroup("conformance", "Linen/NNX conformance")
+    group.addoption(
+        "--family",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this family (repeatable); default: every registered family",
+    )
+    group.addoption(
+        "--mesh",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"device mesh to run on (repeatable); default: {' and '.join(DEFAULT_MESHES)}",
+    )
+    group.addoption(
+        "--topology",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="abstract production mesh for full-size sharding goldens (repeatable); "
+        f"default: {' and '.join(DEFAULT_TOPOLOGIES)}",
+    )
+    parser.addini("conformance_goldens", "directory of golden files", default="goldens")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Validate the options (a usage error lists valid values) and set up the session."""
+    configure_host_platform()
+    config.addinivalue_line("markers", "golden: the test compares against a golden file")
+    try:
+        names = config.getoption("family") or list(registry.registry())
+        config.stash[_FAMILIES] = [registry.get(name) for name in names]
+        config.stash[_MESHES] = {
+            "mesh": [parse_mesh(s) for s in config.getoption("mesh") or DEFAULT_MESHES],
+            "topology": [parse_mesh(s) for s in config.getoption("topology") or DEFAULT_TOPOLOGIES],
+        }
+    except (registry.FamilyError, MeshSpecError) as err:
+        raise pytest.UsageError(str(err)) from None
+    config.stash[_CLAIMED] = set()
+    config.pluginmanager.register(SessionReport(config), "conformance-report")
+    # Goldens are never deleted by a run: unused ones are reported (see pytest_sessionfinish).
+    config.option.disable_unused_snapshots = True
+
+
+def goldens_root(config: pytest.Config) -> Path:
+    """The goldens directory, relative to the rootdir unless absolute."""
+    return config.rootpath / config.getini("conformance_goldens")
+
+
+AXES = ("family", "size", "full_size", "mesh", "topology", "scan_layers", "dtype")
+"""Parameters the plugin generates, in test-id order, for any test that asks for them."""
+
+
+def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> list[Any]:
+    meshes = config.stash[_MESHES]
+    match name:
+        case "family":
+            return [(family.name, family)]
+        case "size":
+            return [(s, s) for s in family.sizes]
+        case "full_size":
+            return [(s, s) for s in family.sizes if s != "tiny"]
+        case "mesh" | "topology":
+            return [(m.id, m) for m in meshes[name]]
+        case "scan_layers":
+            return list(LAYOUTS.items())
+        case _:
+            return list(DTYPES.items())
+
+
+def _marks(family: registry.Family, case: dict[str, Any]) -> list[pytest.MarkDecorator]:
+    scan = case.get("scan_layers")
+    if scan is not None and scan not in family.capabilities.scan_layers:
+        layout = "scan_layers" if scan else "a layer list"
+        return [pytest.mark.skip(reason=f"{family.name} does not support {layout}")]
+    return []
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize a test over every valid combination of the :data:`AXES` it requests."""
+    if "family" not in metafunc.fixturenames:
+        return
+    argnames = [a for a in AXES if a in metafunc.fixturenames]
+    params = []
+    for family in metafunc.config.stash[_FAMILIES]:
+        axes = [_axis_values(name, family, metafunc.config) for name in argnames]
+        for combo in itertools.product(*axes):
+            case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
+            case_id = "-".join(i for i, _ in combo)
+            params.append(pytest.param(*case.values(), id=case_id, marks=_marks(family, case)))
+    metafunc.parametrize(argnames, params)
+
+
+def check_name(item: pytest.Item) -> str:
+    """The check a suite test implements: its function name without ``test_``."""
+    return item.originalname.removeprefix("test_") if isinstance(item, pytest.Function) else ""
+
+
+def _family_of(item: pytest.Item) -> registry.Family | None:
+    callspec = getattr(item, "callspec", None)
+    return None if callspec is None else callspec.params.get("family")
+
+
+def _golden_of(item: pytest.Item) -> Path | None:
+    family = _family_of(item)
+    if item.get_closest_marker("golden") is None or family is None:
+        return None
+    case = item.callspec.id.removeprefix(f"{family.name}-")
+    return golden_path(goldens_root(item.config), family.name, check_name(item), case)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Record golden claims and matrix keys; runs before -k/-m deselection on purpose."""
+    for item in items:
+        if (path := _golden_of(item)) is not None:
+            config.stash[_CLAIMED].add(path)
+        family = _family_of(item)
+        if family is not None:
+            item.user_properties.append(("conformance", (family.name, check_name(item))))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Show a :class:`CheckFailure` as its report alone: the message is the product."""
+    report = yield
+    if call.excinfo is not None and call.excinfo.errisinstance(CheckFailure):
+        report.longrepr = str(call.excinfo.value)
+    return report
+
+
+class Golden:
+    """The golden file of one test: fails clearly when missing or corrupt, else matches."""
+
+    def __init__(self, snapshot: Any, root: Path, path: Path, update: bool) -> None:
+        self._snapshot = snapshot.use_extension(GoldenExtension.for_root(root))
+        self.root, self.path, self.update = root, path, update
+
+    def check(self, data: Any) -> None:
+        """Assert that ``data``, normalised, equals the golden (or write it when updating)."""
+        if not self.update:
+            try:
+                load(self.path)
+            except GoldenError as err:
+                pytest.fail(
+                    f"{err}\n  regenerate with: make goldens ARGS='-k \"{self.path.stem}\"' "
+                    "and review the diff before committing",
+                    pytrace=False,
+                )
+        index = self.path.relative_to(self.root).with_suffix("").as_posix()
+        assert self._snapshot(name=index) == data
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
+    """The :class:`Golden` of the requesting test (which must be marked ``golden``)."""
+    path = _golden_of(request.node)
+    if path is None:
+        raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
+    update = bool(request.config.option.update_snapshots)
+    return Golden(snapshot, goldens_root(request.config), path, update)
+
+
+@pytest.fixture
+def device_mesh(mesh: MeshSpec) -> Any:
+    """The device mesh for ``mesh``; skips with the reason if there are too few devices."""
+    try:
+        return mesh.devices()
+    except InsufficientDevices as err:
+        pytest.skip(str(err))
+
+
+class SessionReport:
+    """Per-session results: the family x check matrix and the unused-goldens verdict."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.unused: list[Path] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Count each suite test's outcome under its (family, check) cell."""
+        key = dict(report.user_properties).get("conformance")
+        if key is None or (report.when != "call" and report.passed):
+            return
+        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        self.results[tuple(key)][outcome] += 1
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Fail the session if a golden is unused (never on an xdist worker)."""
+        if hasattr(self.config, "workerinput") or session.exitstatus not in (0, 1):
+            return
+        self.unused = unused_goldens(self.config)
+        if self.unused:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Print the agreement matrix and any unused goldens."""
+        if self.results:
+            title = "Linen/NNX agreement (agreed/run; f=failed s=skipped x=xfailed)"
+            terminalreporter.section(title)
+            for line in agreement_matrix(self.results):
+                terminalreporter.write_line(line)
+        if self.unused:
+            terminalreporter.section("unused goldens", red=True)
+            terminalreporter.write_line(
+                "no collected test claims these files; if their tests were removed or renamed "
+                "on purpose, delete them with `git rm` in a reviewed commit:"
+            )
+            for path in self.unused:
+                terminalreporter.write_line(f"  {path.relative_to(self.config.rootpath)}")
+
+
+def unused_goldens(config: pytest.Config) -> list[Path]:
+    """Golden files no collected test claims, within what this run could claim.
+
+    A run narrowed by node id or by ``--mesh``/``--topology`` checks nothing (it cannot
+    know what the rest of the suite claims); a run narrowed by ``--family`` checks only
+    those families; ``-k``/``-m`` do not narrow (claims are taken before deselection).
+    """
+    narrowed = any("::" in arg for arg in config.args)
+    if narrowed or config.getoption("mesh") or config.getoption("topology"):
+        return []
+    claimed = config.stash[_CLAIMED]
+    checks = {(p.parent.parent.name, p.parent.name) for p in claimed}
+    root = goldens_root(config)
+    on_disk = {p for fam, check in checks for p in (root / fam / check).glob(f"*{SUFFIX}")}
+    if not config.getoption("family") and claimed:
+        known = {f.name for f in config.stash[_FAMILIES]}
+        on_disk |= {p for p in root.glob(f"*/*/*{SUFFIX}") if p.parent.parent.name not in known}
+    return sorted(on_disk - claimed)
+
+
+def agreement_matrix(results: dict[tuple[str, str], dict[str, int]]) -> list[str]:
+    """The family x check table, one row per family; a cell reads ``agreed/run (extras)``."""
+    families = sorted({f for f, _ in results})
+    checks = sorted({c for _, c in results})
+
+    def cell(counts: dict[str, int]) -> str:
+        run = counts["passed"] + counts["failed"]
+        text = f"{counts['passed']}/{run}" if run else "-"
+        extras = [f"{counts[k]}{k[0]}" for k in ("failed", "skipped", "xfailed") if counts[k]]
+        return text + (f" ({' '.join(extras)})" if extras else "")
+
+    rows = [["family", *checks]]
+    rows += [
+        [f, *(cell(results[f, c]) if (f, c) in results else "" for c in checks)] for f in families
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]

@@ -1,0 +1,4 @@
+"""The conformance suite: thin pytest wrappers over :mod:`conformance.checks`.
+
+Run it on any installed family with ``pytest --pyargs conformance.suite``.
+"""
