@@ -1,0 +1,87 @@
+"""Pure, parameter-free math shared by the Linen and NNX implementations.
+
+Nothing here owns, names, annotates or initialises a parameter: that is written
+separately for each backend, because that is where migrations diverge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("qkv", None),
+    ("layers", None),
+    ("norm", None),
+    ("position", None),
+)
+"""Logical-axis rules shared by every built-in family, first match wins."""
+
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by rotary position embeddings.
+
+    Uses the "rotate half" layout: feature ``i`` is paired with feature
+    ``i + head_dim // 2``. Angles and the rotation are computed in float32 and the
+    result is cast back to ``x.dtype``. ``positions`` is ``[batch, seq]``.
+    """
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    half = head_dim // 2
+    inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / head_dim))
+    angles = positions.astype(jnp.float32)[:, :, None, None] * inv_freq  # [b, s, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def attention_mask(segment_ids: jax.Array) -> jax.Array:
+    """Boolean mask ``[batch, 1, q, k]``: causal, same segment, and key not padding.
+
+    ``segment_ids`` is ``[batch, seq]`` with 0 marking padding.
+    """
+    seq = segment_ids.shape[-1]
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=jnp.bool_))
+    same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
+    key_valid = (segment_ids != 0)[:, None, :]
+    return (causal[None] & same_segment & key_valid)[:, None]
+
+
+def dot_product_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: Any
+) -> jax.Array:
+    """Scaled dot-product attention with grouped-query support.
+
+    ``q`` is ``[batch, seq, heads, head_dim]``; ``k`` and ``v`` are ``[batch, seq,
+    kv_heads, head_dim]`` with ``heads`` a multiple of ``kv_heads`` (each kv head is
+    repeated for its group of query heads). ``mask`` is boolean ``[batch, 1, q, k]``.
+    Matmuls run in ``dtype``; the softmax runs in float32. A fully masked query row
+    (a padding token) attends uniformly instead of producing NaN. Returns ``[batch,
+    seq, heads, head_dim]`` in ``dtype``.
+    """
+    heads, kv_heads, head_dim = q.shape[2], k.shape[2], q.shape[3]
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if heads != kv_heads:
+        k = jnp.repeat(k, heads // kv_heads, axis=2)
+        v = jnp.repeat(v, heads // kv_heads, axis=2)
+    q = q.astype(dtype) * jnp.asarray(head_dim**-0.5, dtype)
+    k, v = k.astype(dtype), v.astype(dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+    weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)

@@ -1,0 +1,1 @@
+"""GPT-3-style decoder family: learned positions, LayerNorm, fused QKV, GELU, tied logits."""

@@ -1,0 +1,281 @@
+"""GPT-3-style decoder written with Flax Linen.
+
+Submodules and parameters are named exactly as in :mod:`models.gpt3.nnx_model`; the
+only difference in paths is the unscanned layer list (``layers_0`` here, ``layers/0``
+in NNX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from models import common
+from models.config import TransformerConfig
+
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def kernel_init(num_in: int, num_out: int) -> nn.initializers.Initializer:
+    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
+    return nn.initializers.variance_scaling(
+        1.0,
+        "fan_in",
+        "truncated_normal",
+        in_axis=tuple(range(num_in)),
+        out_axis=tuple(range(num_in, num_in + num_out)),
+    )
+
+
+class DenseGeneral(nn.Module):
+    """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus a bias.
+
+    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
+    bias (if any) is ``out_shape`` with the trailing names.
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    use_bias: bool
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the projection in ``dtype``."""
+        num_in, num_out = len(self.in_shape), len(self.out_shape)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
+            self.in_shape + self.out_shape,
+            self.param_dtype,
+        )
+        contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axis_names[num_in:]),
+                self.out_shape,
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis with scale and bias, computed in float32."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalise ``x`` and return it in ``dtype``."""
+        features = (x.shape[-1],)
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            features,
+            self.param_dtype,
+        )
+        bias = self.param(
+            "bias",
+            nn.with_logical_partitioning(nn.initializers.zeros, ("norm",)),
+            features,
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        variance = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+        y = centered * jax.lax.rsqrt(variance + self.eps)
+        y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class Embed(nn.Module):
+    """A learned embedding table ``[num_embeddings, features]``."""
+
+    num_embeddings: int
+    features: int
+    axis_names: tuple[str, str]
+    dtype: Any
+    param_dtype: Any
+
+    def setup(self) -> None:
+        """Create the table."""
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(EMBED_INIT, self.axis_names),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Look up ``ids`` and return the rows in ``dtype``."""
+        return jnp.take(self.embedding.astype(self.dtype), ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""
+        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with a fused, biased QKV projection."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+        cfg = self.config
+        qkv = DenseGeneral(
+            (cfg.d_model,),
+            (3, cfg.num_heads, cfg.head_dim),
+            ("embed", "qkv", "heads", "head_dim"),
+            use_bias=True,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="qkv",
+        )(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
+        return DenseGeneral(
+            (cfg.num_heads, cfg.head_dim),
+            (cfg.d_model,),
+            ("heads", "head_dim", "embed"),
+            use_bias=True,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="out",
+        )(out)
+
+
+class Mlp(nn.Module):
+    """Two biased projections with a GELU between them."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the MLP to ``x`` ``[b, s, d_model]``."""
+        cfg = self.config
+        h = DenseGeneral(
+            (cfg.d_model,),
+            (cfg.mlp_dim,),
+            ("embed", "mlp"),
+            use_bias=True,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="wi",
+        )(x)
+        h = jax.nn.gelu(h)
+        return DenseGeneral(
+            (cfg.mlp_dim,),
+            (cfg.d_model,),
+            ("mlp", "embed"),
+            use_bias=True,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="wo",
+        )(h)
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm decoder block.
+
+    Returns ``(x, x)`` so the same module serves as an ``nn.scan`` body (carry, output).
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, mask: jax.Array, deterministic: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        """Apply attention and MLP with residuals; dropout only when not deterministic."""
+        cfg = self.config
+        norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        h = LayerNorm(**norm, name="pre_attn_norm")(x)
+        h = Attention(cfg, name="attn")(h, mask)
+        if cfg.dropout_rate > 0:
+            h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        x = x + h
+        h = LayerNorm(**norm, name="pre_mlp_norm")(x)
+        h = Mlp(cfg, name="mlp")(h)
+        if cfg.dropout_rate > 0:
+            h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        x = x + h
+        return x, x
+
+
+class Gpt3(nn.Module):
+    """GPT-3-style decoder returning logits ``[batch, seq, vocab]`` in ``config.dtype``.
+
+    Sows the stacked block outputs ``[num_layers, batch, seq, d_model]`` as
+    ``intermediates/hidden_states``.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        cfg = self.config
+        token_embed = Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            ("vocab", "embed"),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="token_embed",
+        )
+        pos_embed = Embed(
+            cfg.max_seq_len,
+            cfg.d_model,
+            ("position", "embed"),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="pos_embed",
+        )
+        x = token_embed(tokens) + pos_embed(positions)
+        mask = common.attention_mask(segment_ids)
+
+        block_cls: Any = Block
+        if cfg.remat:
+            # Argument 3 (counting self) is `deterministic`, a Python bool.
+            block_cls = nn.remat(Block, static_argnums=(3,), prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")
+            x, hidden_states = stack(x, mask, deterministic)
+        else:
+            outputs = []
+            for i in range(cfg.num_layers):
+                x, _ = block_cls(cfg, name=f"layers_{i}")(x, mask, deterministic)
+                outputs.append(x)
+            hidden_states = jnp.stack(outputs)
+        self.sow("intermediates", "hidden_states", hidden_states)
+
+        x = LayerNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
+        return token_embed.attend(x)

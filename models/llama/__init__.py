@@ -1,0 +1,1 @@
+"""Llama-style decoder family: RMSNorm, RoPE, grouped-query attention, SwiGLU, untied head."""

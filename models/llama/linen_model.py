@@ -1,0 +1,235 @@
+"""Llama-style decoder written with Flax Linen.
+
+Submodules and parameters are named exactly as in :mod:`models.llama.nnx_model`; the
+only difference in paths is the unscanned layer list (``layers_0`` here, ``layers/0``
+in NNX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from models import common
+from models.config import TransformerConfig
+
+EMBED_INIT = nn.initializers.normal(stddev=0.02)
+
+
+def kernel_init(num_in: int, num_out: int) -> nn.initializers.Initializer:
+    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
+    return nn.initializers.variance_scaling(
+        1.0,
+        "fan_in",
+        "truncated_normal",
+        in_axis=tuple(range(num_in)),
+        out_axis=tuple(range(num_in, num_in + num_out)),
+    )
+
+
+class DenseGeneral(nn.Module):
+    """Contract the trailing ``len(in_shape)`` input axes with a bias-free kernel.
+
+    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``.
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the projection in ``dtype``."""
+        num_in, num_out = len(self.in_shape), len(self.out_shape)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
+            self.in_shape + self.out_shape,
+            self.param_dtype,
+        )
+        contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
+        return jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis with a learned scale, computed in float32."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalise ``x`` and return it in ``dtype``."""
+        scale = self.param(
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            (x.shape[-1],),
+            self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Embed(nn.Module):
+    """A learned token embedding table ``[vocab, embed]``."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Look up ``ids`` and return the rows in ``dtype``."""
+        embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(EMBED_INIT, ("vocab", "embed")),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+        return jnp.take(embedding.astype(self.dtype), ids, axis=0)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with RoPE on queries and keys."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+        cfg = self.config
+        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        q_shape = (cfg.num_heads, cfg.head_dim)
+        kv_shape = (cfg.num_kv_heads, cfg.head_dim)
+        q = DenseGeneral(
+            (cfg.d_model,), q_shape, ("embed", "heads", "head_dim"), **dense, name="q"
+        )(x)
+        k = DenseGeneral(
+            (cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense, name="k"
+        )(x)
+        v = DenseGeneral(
+            (cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense, name="v"
+        )(x)
+        q = common.apply_rope(q, positions, cfg.rope_base)
+        k = common.apply_rope(k, positions, cfg.rope_base)
+        out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
+        return DenseGeneral(
+            q_shape, (cfg.d_model,), ("heads", "head_dim", "embed"), **dense, name="o"
+        )(out)
+
+
+class Mlp(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the MLP to ``x`` ``[b, s, d_model]``."""
+        cfg = self.config
+        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        up_names = ("embed", "mlp")
+        gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="gate")(x)
+        up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="up")(x)
+        down = DenseGeneral((cfg.mlp_dim,), (cfg.d_model,), ("mlp", "embed"), **dense, name="down")
+        return down(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One pre-RMSNorm decoder block.
+
+    Returns ``(x, x)`` so the same module serves as an ``nn.scan`` body (carry, output).
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, deterministic: bool
+    ) -> tuple[jax.Array, jax.Array]:
+        """Apply attention and MLP with residuals; dropout only when not deterministic."""
+        cfg = self.config
+        norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        h = RMSNorm(**norm, name="attn_norm")(x)
+        h = Attention(cfg, name="attn")(h, positions, mask)
+        if cfg.dropout_rate > 0:
+            h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        x = x + h
+        h = RMSNorm(**norm, name="mlp_norm")(x)
+        h = Mlp(cfg, name="mlp")(h)
+        if cfg.dropout_rate > 0:
+            h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
+        x = x + h
+        return x, x
+
+
+class Llama(nn.Module):
+    """Llama-style decoder returning logits ``[batch, seq, vocab]`` in ``config.dtype``.
+
+    Sows the stacked block outputs ``[num_layers, batch, seq, d_model]`` as
+    ``intermediates/hidden_states``.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        cfg = self.config
+        x = Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="token_embed",
+        )(tokens)
+        mask = common.attention_mask(segment_ids)
+
+        block_cls: Any = Block
+        if cfg.remat:
+            # Argument 4 (counting self) is `deterministic`, a Python bool.
+            block_cls = nn.remat(Block, static_argnums=(4,), prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            stack = nn.scan(
+                block_cls,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")
+            x, hidden_states = stack(x, positions, mask, deterministic)
+        else:
+            outputs = []
+            for i in range(cfg.num_layers):
+                x, _ = block_cls(cfg, name=f"layers_{i}")(x, positions, mask, deterministic)
+                outputs.append(x)
+            hidden_states = jnp.stack(outputs)
+        self.sow("intermediates", "hidden_states", hidden_states)
+
+        x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
+        return DenseGeneral(
+            (cfg.d_model,),
+            (cfg.vocab_size,),
+            ("embed", "vocab"),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            name="lm_head",
+        )(x)

@@ -1,0 +1,250 @@
+"""Llama-style decoder written with Flax NNX.
+
+Submodules and parameters are named exactly as in :mod:`models.llama.linen_model`; the
+only difference in paths is the unscanned layer list (``layers/0`` here, ``layers_0``
+in Linen).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import common
+from models.config import TransformerConfig
+
+EMBED_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+def kernel_init(num_in: int, num_out: int) -> nnx.Initializer:
+    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
+    return nnx.initializers.variance_scaling(
+        1.0,
+        "fan_in",
+        "truncated_normal",
+        in_axis=tuple(range(num_in)),
+        out_axis=tuple(range(num_in, num_in + num_out)),
+    )
+
+
+class DenseGeneral(nnx.Module):
+    """Contract the trailing ``len(in_shape)`` input axes with a bias-free kernel.
+
+    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``.
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        axis_names: tuple[str, ...],
+        *,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.num_in = len(in_shape)
+        self.dtype = dtype
+        init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
+        self.kernel = nnx.Param(init(rngs.params(), in_shape + out_shape, param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the projection in ``dtype``."""
+        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
+        return jax.lax.dot_general(
+            x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ()))
+        )
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a learned scale, computed in float32."""
+
+    def __init__(
+        self, features: int, *, eps: float, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+    ) -> None:
+        self.eps = eps
+        self.dtype = dtype
+        ones = nnx.with_partitioning(nnx.initializers.ones, ("norm",))
+        self.scale = nnx.Param(ones(rngs.params(), (features,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalise ``x`` and return it in ``dtype``."""
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """A learned token embedding table ``[vocab, embed]``."""
+
+    def __init__(
+        self, num_embeddings: int, features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
+    ) -> None:
+        self.dtype = dtype
+        init = nnx.with_partitioning(EMBED_INIT, ("vocab", "embed"))
+        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Look up ``ids`` and return the rows in ``dtype``."""
+        return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with RoPE on queries and keys."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        cfg = config
+        self.dtype = cfg.dtype
+        self.rope_base = cfg.rope_base
+        dense: dict[str, Any] = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "rngs": rngs}
+        q_shape = (cfg.num_heads, cfg.head_dim)
+        kv_shape = (cfg.num_kv_heads, cfg.head_dim)
+        self.q = DenseGeneral((cfg.d_model,), q_shape, ("embed", "heads", "head_dim"), **dense)
+        self.k = DenseGeneral((cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense)
+        self.v = DenseGeneral((cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense)
+        self.o = DenseGeneral(q_shape, (cfg.d_model,), ("heads", "head_dim", "embed"), **dense)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+        q = common.apply_rope(self.q(x), positions, self.rope_base)
+        k = common.apply_rope(self.k(x), positions, self.rope_base)
+        out = common.dot_product_attention(q, k, self.v(x), mask, self.dtype)
+        return self.o(out)
+
+
+class Mlp(nnx.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        cfg = config
+        dense: dict[str, Any] = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "rngs": rngs}
+        self.gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
+        self.up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
+        self.down = DenseGeneral((cfg.mlp_dim,), (cfg.d_model,), ("mlp", "embed"), **dense)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the MLP to ``x`` ``[b, s, d_model]``."""
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """One pre-RMSNorm decoder block."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        cfg = config
+        norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        self.attn_norm = RMSNorm(cfg.d_model, **norm, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, **norm, rngs=rngs)
+        self.mlp = Mlp(cfg, rngs=rngs)
+        self.dropout: nnx.Dropout | None
+        if cfg.dropout_rate > 0:
+            self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+        else:
+            self.dropout = nnx.data(None)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, mask: jax.Array, *, deterministic: bool
+    ) -> jax.Array:
+        """Apply attention and MLP with residuals; dropout only when not deterministic."""
+        h = self.attn(self.attn_norm(x), positions, mask)
+        if self.dropout is not None:
+            h = self.dropout(h, deterministic=deterministic)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.dropout is not None:
+            h = self.dropout(h, deterministic=deterministic)
+        return x + h
+
+
+def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
+    """Create ``num_layers`` blocks stacked on a leading axis named ``layers``."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs=rngs)
+
+    return create(rngs)
+
+
+class Llama(nnx.Module):
+    """Llama-style decoder returning logits ``[batch, seq, vocab]`` in ``config.dtype``.
+
+    Sows the stacked block outputs ``[num_layers, batch, seq, d_model]`` as the
+    ``nnx.Intermediate`` named ``hidden_states``.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
+        cfg = config
+        self.config = cfg
+        self.token_embed = Embed(
+            cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+        )
+        self.layers: Block | nnx.List[Block]
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(
+            cfg.d_model,
+            eps=cfg.norm_eps,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            rngs=rngs,
+        )
+        self.lm_head = DenseGeneral(
+            (cfg.d_model,),
+            (cfg.vocab_size,),
+            ("embed", "vocab"),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            rngs=rngs,
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        cfg = self.config
+        x = self.token_embed(tokens)
+        mask = common.attention_mask(segment_ids)
+
+        def apply_block(
+            block: Block, x: jax.Array, positions: jax.Array, mask: jax.Array
+        ) -> jax.Array:
+            return block(x, positions, mask, deterministic=deterministic)
+
+        if cfg.remat:
+            apply_block = nnx.remat(apply_block, prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+
+            def body(
+                x: jax.Array, block: Block, positions: jax.Array, mask: jax.Array
+            ) -> tuple[jax.Array, jax.Array]:
+                x = apply_block(block, x, positions, mask)
+                return x, x
+
+            scan = nnx.scan(
+                body,
+                in_axes=(nnx.Carry, 0, None, None),
+                out_axes=(nnx.Carry, 0),
+                transform_metadata={nnx.PARTITION_NAME: "layers"},
+            )
+            x, hidden_states = scan(x, self.layers, positions, mask)
+        else:
+            outputs = []
+            for block in self.layers:
+                x = apply_block(block, x, positions, mask)
+                outputs.append(x)
+            hidden_states = jnp.stack(outputs)
+        self.sow(nnx.Intermediate, "hidden_states", hidden_states)
+        return self.lm_head(self.final_norm(x))
