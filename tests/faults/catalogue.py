@@ -1,0 +1,165 @@
+"""Planted faults: deliberate Linen/NNX divergences, each injected into one side.
+
+Every fault is a built-in family with one method overridden, so it breaks exactly one
+thing on one backend. ``FAULTS`` pairs each with the check that must catch it and the
+words (leaf path first) the failure report must contain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from flax import nnx
+
+from conformance.families import Family
+from models.gpt3.family import Gpt3Family
+from models.llama.family import LlamaFamily
+
+
+class _NnxConfigFault:
+    """Build the NNX side from a config with some fields changed (Linen keeps the original)."""
+
+    changes: ClassVar[dict[str, Any]] = {}
+
+    def nnx_module(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+        return super().nnx_module(dataclasses.replace(config, **self.changes), rngs)
+
+
+class DroppedBias(Gpt3Family):
+    """NNX block 0's MLP input projection has no bias."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[0].mlp.wi.bias = nnx.data(None)
+        return model
+
+
+class TransposedKernel(LlamaFamily):
+    """NNX stores block 1's MLP down projection as [embed, mlp] instead of [mlp, embed]."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        kernel = model.layers[1].mlp.down.kernel
+        kernel.set_value(kernel.get_value().T)
+        return model
+
+
+class MissingParameter(LlamaFamily):
+    """NNX has no output head (a tied head slipped in during the port)."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.lm_head = nnx.data(None)
+        return model
+
+
+class NormEpsilon(_NnxConfigFault, LlamaFamily):
+    """NNX RMSNorm epsilon is 1e-5 instead of 1e-6."""
+
+    changes: ClassVar[dict[str, Any]] = {"norm_eps": 1e-5}
+
+
+class RopeBase(_NnxConfigFault, LlamaFamily):
+    """NNX RoPE base is 20000 instead of 10000."""
+
+    changes: ClassVar[dict[str, Any]] = {"rope_base": 20_000.0}
+
+
+class SilentBfloat16(LlamaFamily):
+    """NNX block 1's MLP output projection computes in bfloat16 under a float32 config."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[1].mlp.down.dtype = jnp.bfloat16
+        return model
+
+
+class NanOnOneSide(_NnxConfigFault, LlamaFamily):
+    """NNX RMSNorm epsilon is negative: rsqrt of a negative number gives NaN on NNX only."""
+
+    changes: ClassVar[dict[str, Any]] = {"norm_eps": -1.0}
+
+
+class SpecOnWrongAxis(Gpt3Family):
+    """NNX annotates block 0's MLP input kernel ("mlp", "embed") instead of ("embed", "mlp")."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[0].mlp.wi.kernel.set_metadata(out_sharding=("mlp", "embed"))
+        return model
+
+
+class MisspelledLogicalAxis(LlamaFamily):
+    """NNX names a logical axis "mpl" on block 0's MLP up projection."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[0].mlp.up.kernel.set_metadata(out_sharding=("embed", "mpl"))
+        return model
+
+
+class IndivisibleVocab(Gpt3Family):
+    """Both sides use gpt3's raw vocabulary of 50257, which no tensor axis divides."""
+
+    def config(self, size, *, scan_layers, dtype=jnp.float32):
+        config = super().config(size, scan_layers=scan_layers, dtype=dtype)
+        return dataclasses.replace(config, vocab_size=50257)
+
+
+class EmbeddingInitScale(Gpt3Family):
+    """NNX initialises the token embedding with std 0.2 instead of 0.02."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        embedding = model.token_embed.embedding
+        embedding.set_value(embedding.get_value() * 10.0)
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A faulty family, the check that must catch it, and what its report must say."""
+
+    family: Family
+    check: str
+    expect: tuple[str, ...]
+    size: str = "tiny"
+
+    @property
+    def id(self) -> str:
+        """Test id: the fault's class name."""
+        return type(self.family).__name__
+
+
+FAULTS = (
+    Fault(DroppedBias(), "structure", ("layers/0/mlp/wi/bias: Linen has it",)),
+    Fault(
+        TransposedKernel(),
+        "structure",
+        ("layers/1/mlp/down/kernel: Linen float32[128, 64]", "NNX float32[64, 128]"),
+    ),
+    Fault(MissingParameter(), "structure", ("lm_head/kernel: Linen has it",)),
+    Fault(NormEpsilon(), "forward", ("logits:", "first divergent block: 0")),
+    Fault(RopeBase(), "forward", ("logits:", "first divergent block: 0")),
+    Fault(SilentBfloat16(), "forward", ("logits:", "first divergent block: 1")),
+    Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),
+    Fault(
+        SpecOnWrongAxis(),
+        "sharding",
+        ("layers/0/mlp/wi/kernel: Linen P('fsdp', None)", "NNX P(None, 'fsdp')"),
+    ),
+    Fault(
+        MisspelledLogicalAxis(),
+        "sharding",
+        ("layers/0/mlp/up/kernel: logical axis 'mpl' has no rule",),
+    ),
+    Fault(
+        IndivisibleVocab(),
+        "sharding_topology",
+        ("token_embed/embedding: dim 0 of size 50257 is split 8 ways",),
+        size="6b",
+    ),
+    Fault(EmbeddingInitScale(), "init", ("token_embed/embedding: Linen mean=",)),
+)

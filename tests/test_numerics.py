@@ -1,0 +1,84 @@
+import numpy as np
+import pytest
+
+from conformance.numerics import POLICY, Tolerance, compare_arrays, compare_trees, tolerance_for
+
+
+def test_equal_arrays_agree():
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    assert compare_arrays("w", x, x.copy()) is None
+
+
+def test_mismatch_names_path_index_values_and_tolerance():
+    a = np.zeros((2, 3), np.float32)
+    b = a.copy()
+    b[1, 2] = 0.5
+    found = compare_arrays("layers/0/mlp/wi/kernel", a, b)
+    assert found is not None
+    assert found.index == (1, 2)
+    assert (found.first, found.second, found.count) == (0.0, 0.5, 1)
+    text = found.describe()
+    for needle in ("layers/0/mlp/wi/kernel", "[1, 2]", "Linen=0.0", "NNX=0.5", "atol=1e-05"):
+        assert needle in text
+
+
+def test_nan_on_one_side_fails_and_is_named():
+    a = np.ones(4, np.float32)
+    b = a.copy()
+    b[3] = np.nan
+    found = compare_arrays("logits", a, b)
+    assert found is not None
+    assert found.index == (3,)
+    assert "non-finite on one side only" in found.reason
+
+
+def test_same_nonfinite_on_both_sides_agrees():
+    a = np.array([1.0, np.nan, np.inf], np.float32)
+    assert compare_arrays("x", a, a.copy()) is None
+
+
+def test_errors_of_opposite_sign_do_not_cancel():
+    a = np.zeros(4, np.float32)
+    b = np.array([1.0, -1.0, 1.0, -1.0], np.float32)
+    found = compare_arrays("x", a, b)
+    assert found is not None
+    assert found.count == 4
+
+
+def test_within_tolerance_agrees_and_just_outside_fails():
+    tol = POLICY["float32"]
+    b = np.full(3, 100.0)
+    inside = b + 0.9 * (tol.atol + tol.rtol * 100.0)
+    outside = b + 1.1 * (tol.atol + tol.rtol * 100.0)
+    assert compare_arrays("x", inside, b, tol) is None
+    assert compare_arrays("x", outside, b, tol) is not None
+
+
+def test_bfloat16_tolerance_is_looser():
+    assert tolerance_for("bfloat16").rtol > tolerance_for("float32").rtol
+    assert tolerance_for("int32") == Tolerance(0.0, 0.0)
+
+
+def test_reference_tie_break_accepts_only_a_no_worse_second_side():
+    tol = Tolerance(0.0, 0.0)
+    first, second = np.array([1.0]), np.array([1.1])
+    assert compare_arrays("x", first, second, tol, reference=np.array([1.2])) is None
+    assert compare_arrays("x", first, second, tol, reference=np.array([0.9])) is not None
+
+
+def test_shape_mismatch_is_reported():
+    found = compare_arrays("x", np.zeros((2, 3)), np.zeros((3, 2)))
+    assert found is not None
+    assert "shape [2, 3] != [3, 2]" in found.reason
+
+
+def test_tree_with_leaf_on_one_side_only_is_a_mismatch():
+    found = compare_trees({"a": np.zeros(2), "b": np.zeros(2)}, {"a": np.zeros(2)})
+    assert [m.path for m in found] == ["b"]
+    assert "missing on the second side" in found[0].reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_policy_matches_design(dtype):
+    expected = {"float32": (1e-5, 1.3e-6), "bfloat16": (1e-5, 1.6e-2)}[dtype]
+    assert (POLICY[dtype].atol, POLICY[dtype].rtol) == expected

@@ -1,0 +1,109 @@
+"""The plugin's promises, checked by running pytest on a throwaway project."""
+
+import pytest
+
+GOLDEN_TEST = """
+import pytest
+
+@pytest.mark.golden
+def test_shape(family, scan_layers, golden):
+    golden.check({"family": family.name, "scan": scan_layers, "value": VALUE})
+"""
+
+
+@pytest.fixture
+def project(pytester):
+    pytester.makeini("[pytest]\nconformance_goldens = goldens\n")
+
+    def write(value=1):
+        pytester.makepyfile(test_golden=GOLDEN_TEST.replace("VALUE", repr(value)))
+        return pytester
+
+    return write
+
+
+def goldens(pytester):
+    return sorted(str(p.relative_to(pytester.path)) for p in pytester.path.rglob("*.json"))
+
+
+def test_unknown_family_is_a_usage_error_listing_known_ones(pytester):
+    result = pytester.runpytest("--family", "nope")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown family 'nope'; known families: gpt3, llama*"])
+
+
+def test_malformed_mesh_is_a_usage_error_naming_valid_forms(pytester):
+    result = pytester.runpytest("--mesh", "3x3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*malformed mesh spec '3x3'; use 'axis=N*"])
+
+
+def test_missing_golden_fails_and_says_how_to_create_it(project):
+    pytester = project()
+    result = pytester.runpytest("--family", "gpt3")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(
+        ["*missing golden *goldens/gpt3/shape/loop.json*", "*regenerate with: make goldens*"]
+    )
+
+
+def test_update_writes_goldens_then_they_pass(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update").assert_outcomes(passed=2)
+    assert goldens(pytester) == ["goldens/gpt3/shape/loop.json", "goldens/gpt3/shape/scan.json"]
+    pytester.runpytest("--family", "gpt3").assert_outcomes(passed=2)
+
+
+def test_changed_value_fails_with_a_diff(project):
+    project(1).runpytest("--family", "gpt3", "--snapshot-update")
+    result = project(2).runpytest("--family", "gpt3")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(['*-*"value": 1*', '*+*"value": 2*'])
+
+
+def test_corrupted_golden_fails_naming_the_file(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    (pytester.path / "goldens/gpt3/shape/scan.json").write_text('{"family": ')
+    result = pytester.runpytest("--family", "gpt3")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*corrupted golden *goldens/gpt3/shape/scan.json*"])
+
+
+@pytest.mark.parametrize("narrowing", [["-k", "loop"], ["test_golden.py::test_shape[gpt3-loop]"]])
+def test_subset_update_never_deletes_other_goldens(project, narrowing):
+    pytester = project(1)
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    pytester = project(2)
+    pytester.runpytest("--family", "gpt3", "--snapshot-update", *narrowing)
+    assert goldens(pytester) == ["goldens/gpt3/shape/loop.json", "goldens/gpt3/shape/scan.json"]
+    scan = (pytester.path / "goldens/gpt3/shape/scan.json").read_text()
+    loop = (pytester.path / "goldens/gpt3/shape/loop.json").read_text()
+    assert '"value": 1' in scan
+    assert '"value": 2' in loop
+
+
+def test_unused_golden_fails_the_run_and_is_not_deleted(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    stale = pytester.path / "goldens/gpt3/shape/renamed.json"
+    stale.write_text("{}\n")
+    for args in ([], ["-k", "loop"], ["--snapshot-update"]):
+        result = pytester.runpytest("--family", "gpt3", *args)
+        assert result.ret == pytest.ExitCode.TESTS_FAILED, args
+        result.stdout.fnmatch_lines(["*unused goldens*", "*goldens/gpt3/shape/renamed.json"])
+    assert stale.exists()
+
+
+def test_node_id_selection_does_not_report_siblings_unused(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--family", "gpt3", "test_golden.py::test_shape[gpt3-loop]")
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_agreement_matrix_is_printed(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--family", "gpt3")
+    result.stdout.fnmatch_lines(["*Linen/NNX agreement*", "family*shape*", "gpt3*2/2*"])
