@@ -11,13 +11,12 @@ import sys
 
 import pytest
 
-from conformance.environment import configure_host_platform
-
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite with ``argv`` as extra pytest arguments; return pytest's exit code."""
-    configure_host_platform()
-    args = ["--pyargs", "conformance.suite", "-q", "-p", "no:cacheprovider"]
+    # `python -m conformance` has imported this package before pytest could rewrite it.
+    quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    args = ["--pyargs", "conformance.suite", "-q", "-p", "no:cacheprovider", *quiet]
     return int(pytest.main([*args, *(sys.argv[1:] if argv is None else argv)]))
 
 

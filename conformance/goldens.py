@@ -5,9 +5,10 @@ the golden depends on (family, check, mesh, layout), never from the test file's
 location, so a test can move without orphaning its goldens. Files are JSON with sorted
 keys and one leaf per line, so a review of a golden diff is a review of the change.
 
-syrupy's own unused-snapshot cleanup is turned off by the plugin: regenerating a subset
-(``--snapshot-update`` with ``-k`` or a node id) writes what it ran and deletes nothing.
-Unused goldens are reported by the plugin instead, and only a person deletes them.
+syrupy never sees a golden it was not asked for (the extension discovers nothing), so
+regenerating a subset (``--snapshot-update`` with ``-k`` or a node id) writes what it ran
+and deletes nothing. Unused goldens are reported by the plugin instead, and only a
+person deletes them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 from jax.sharding import PartitionSpec
+from syrupy.data import SnapshotCollections
 from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
 from syrupy.location import PyTestLocation
 from syrupy.types import SerializableData, SnapshotIndex
@@ -118,6 +120,12 @@ class GoldenExtension(SingleFileSnapshotExtension):
     ) -> bool:
         """Goldens are keyed by content, not by test file: any file under the root."""
         return Path(snapshot_location).is_relative_to(cls.root)
+
+    def discover_snapshots(
+        self, *, test_location: PyTestLocation, ignore_extensions: list[str] | None = None
+    ) -> SnapshotCollections:
+        """Nothing: unused goldens are judged by the plugin, so syrupy can never delete one."""
+        return SnapshotCollections()
 
     def serialize(self, data: SerializableData, **kwargs: Any) -> str:
         """Normalised golden JSON text."""

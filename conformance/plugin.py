@@ -73,8 +73,6 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(err)) from None
     config.stash[_CLAIMED] = set()
     config.pluginmanager.register(SessionReport(config), "conformance-report")
-    # Goldens are never deleted by a run: unused ones are reported (see pytest_sessionfinish).
-    config.option.disable_unused_snapshots = True
 
 
 def goldens_root(config: pytest.Config) -> Path:
