@@ -89,7 +89,7 @@ class NnxRunner:
 
     def __init__(self, family: Family, config: Any) -> None:
         self.family, self.config = family, config
-        abstract = nnx.eval_shape(lambda: self._build(0))
+        abstract = nnx.eval_shape(lambda: self.build(0))
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
         self._abstract_vars = flatten_state(params)
@@ -99,7 +99,8 @@ class NnxRunner:
         self._init_fns: dict[Any, Any] = {}
         self.rest: nnx.State | None = None
 
-    def _build(self, seed: int) -> nnx.Module:
+    def build(self, seed: int) -> nnx.Module:
+        """Construct the NNX module from ``seed`` (eager sharding off: the harness places)."""
         with nnx.use_eager_sharding(False):
             return self.family.nnx_module(self.config, nnx.Rngs(seed))
 
@@ -125,7 +126,7 @@ class NnxRunner:
                     jax.tree.map(lambda _: replicated, self._abstract_rest),
                 )
             self._init_fns[key] = jax.jit(
-                lambda s: nnx.split(self._build(s), nnx.Param, ...)[1:],
+                lambda s: nnx.split(self.build(s), nnx.Param, ...)[1:],
                 static_argnums=0,
                 out_shardings=out,
             )

@@ -104,6 +104,17 @@ class Family(abc.ABC):
         del config
         return ()
 
+    def layer_stack_rules(self, config: Any) -> PathRules:
+        r"""Rewrites from unscanned Linen parameter paths to scanned ones.
+
+        Each pattern captures the layer index in a group named ``layer``, e.g.
+        ``(r"^layers_(?P<layer>\d+)/", "layers/")``; leaves of all layers are stacked on
+        a new leading axis in index order. Empty (the default) if the family has no
+        scanned layout, and checks that compare layouts skip.
+        """
+        del config
+        return ()
+
     @abc.abstractmethod
     def logical_axis_rules(self) -> LogicalRules:
         """Return the logical-axis rules both backends are sharded with."""

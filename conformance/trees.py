@@ -108,8 +108,14 @@ class LeafSpec:
 
     @classmethod
     def of(cls, leaf: Any) -> LeafSpec:
-        """The spec of an array, a ``ShapeDtypeStruct`` or an NNX Variable holding either."""
+        """The spec of an array, a ``ShapeDtypeStruct`` or an NNX Variable holding either.
+
+        A Variable holding a tuple (as sown intermediates do) is described by its first
+        array.
+        """
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+        if not hasattr(value, "shape"):
+            value = jax.tree.leaves(value)[0]
         return cls(tuple(int(d) for d in value.shape), str(np.dtype(value.dtype)))
 
     def __str__(self) -> str:
@@ -141,3 +147,28 @@ def structure_diff(
             src, spec = mapped[nnx_path]
             problems.append(f"{nnx_path}: Linen {spec} (as {src}) != NNX {nnx_[nnx_path]}")
     return problems
+
+
+def stack_layers(flat: Mapping[str, Any], rules: PathRules) -> Flat:
+    """Stack per-layer leaves into the scanned layout described by ``rules``.
+
+    A path matching a rule (index in group ``layer``) is renamed by the rule and stacked
+    with the same-named leaves of the other layers, in index order, on a new axis 0;
+    other paths pass through. Raises :class:`PathMapError` if a stack has gaps.
+    """
+    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+    stacks: dict[str, dict[int, Any]] = {}
+    result: Flat = {}
+    for path, leaf in flat.items():
+        for pattern, repl in compiled:
+            match = pattern.search(path)
+            if match:
+                stacks.setdefault(pattern.sub(repl, path, count=1), {})[int(match["layer"])] = leaf
+                break
+        else:
+            result[path] = leaf
+    for path, layers in stacks.items():
+        if sorted(layers) != list(range(len(layers))):
+            raise PathMapError(f"layers of {path} are not 0..n-1: found {sorted(layers)}")
+        result[path] = np.stack([np.asarray(layers[i]) for i in range(len(layers))])
+    return result

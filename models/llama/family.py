@@ -75,6 +75,11 @@ class LlamaFamily(Family):
         """Map Linen's ``layers_<i>/`` to NNX's ``layers/<i>/``; nothing when scanned."""
         return () if config.scan_layers else ((r"^layers_(\d+)/", r"layers/\1/"),)
 
+    def layer_stack_rules(self, config: TransformerConfig) -> PathRules:
+        """Stack Linen's ``layers_<i>/`` leaves into the scanned ``layers/`` layout."""
+        del config
+        return ((r"^layers_(?P<layer>\d+)/", "layers/"),)
+
     def logical_axis_rules(self) -> LogicalRules:
         """Return :data:`models.common.LOGICAL_AXIS_RULES`."""
         return LOGICAL_AXIS_RULES
