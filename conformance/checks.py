@@ -57,7 +57,8 @@ def fail(family: Family, check: str, message: str) -> NoReturn:
     raise CheckFailure(f"{family.name} {check}: {message}")
 
 
-def _path_map(family: Family, check: str, config: Any) -> dict[str, str]:
+def param_map(family: Family, check: str, config: Any) -> dict[str, str]:
+    """``{Linen param path: NNX param path}``, checked to be a bijection (else a failure)."""
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     try:
         mapping = map_paths(family.path_rules(config), linen.specs)
@@ -115,7 +116,7 @@ def check_sharding(
     """
     check = "sharding"
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = _path_map(family, check, config)
+    mapping = param_map(family, check, config)
     linen_specs = resolve_all(family, check, linen.logical, mesh)
     nnx_specs = resolve_all(family, check, nnx_.logical, mesh)
     problems = []
@@ -191,7 +192,7 @@ def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> No
     distributions must. A leaf constant on one side must equal the other exactly.
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = _path_map(family, "init", config)
+    mapping = param_map(family, "init", config)
     a = linen.init(0, shardings_for(family, linen.logical, mesh, devices))
     b = nnx_.init(0, shardings_for(family, nnx_.logical, mesh, devices))
     problems = []
@@ -259,7 +260,7 @@ def check_forward(
     tolerance passes when NNX is no farther than Linen from the wider Linen result.
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = _path_map(family, "forward", config)
+    mapping = param_map(family, "forward", config)
     inverse = {v: k for k, v in mapping.items()}
     linen_sh = shardings_for(family, linen.logical, mesh, devices)
     nnx_sh = shardings_for(family, nnx_.logical, mesh, devices)

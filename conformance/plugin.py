@@ -194,13 +194,24 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     return Golden(snapshot, goldens_root(request.config), path, update)
 
 
-@pytest.fixture
-def device_mesh(mesh: MeshSpec) -> Any:
-    """The device mesh for ``mesh``; skips with the reason if there are too few devices."""
+def _devices_or_skip(mesh: MeshSpec) -> Any:
     try:
         return mesh.devices()
     except InsufficientDevices as err:
         pytest.skip(str(err))
+
+
+@pytest.fixture
+def device_mesh(mesh: MeshSpec) -> Any:
+    """The device mesh for ``mesh``; skips with the reason if there are too few devices."""
+    return _devices_or_skip(mesh)
+
+
+@pytest.fixture
+def primary_mesh(request: pytest.FixtureRequest) -> tuple[MeshSpec, Any]:
+    """The first configured mesh and its devices, for checks that need only one mesh."""
+    mesh = request.config.stash[_MESHES]["mesh"][0]
+    return mesh, _devices_or_skip(mesh)
 
 
 class SessionReport:

@@ -1,0 +1,44 @@
+"""Train step: parity across backends, accumulation, layout variants, hygiene, dropout."""
+
+import pytest
+
+from conformance.train_checks import (
+    check_dropout,
+    check_grad_accumulation,
+    check_hygiene,
+    check_layout_invariance,
+    check_optimizer_sharding,
+    check_train_step,
+)
+
+
+def test_train_step(family, mesh, scan_layers, device_mesh):
+    config = family.config("tiny", scan_layers=scan_layers)
+    check_train_step(family, config, mesh, device_mesh)
+
+
+def test_grad_accumulation(family, mesh, scan_layers, device_mesh):
+    config = family.config("tiny", scan_layers=scan_layers)
+    check_grad_accumulation(family, config, mesh, device_mesh)
+
+
+@pytest.mark.parametrize("variant", ["remat", "scan_layers"])
+def test_layout(family, mesh, device_mesh, variant):
+    config = family.config("tiny", scan_layers=False)
+    check_layout_invariance(family, config, mesh, device_mesh, variant)
+
+
+def test_hygiene(family, mesh, scan_layers, device_mesh):
+    config = family.config("tiny", scan_layers=scan_layers)
+    check_hygiene(family, config, mesh, device_mesh)
+
+
+@pytest.mark.golden
+def test_optimizer_sharding(family, mesh, scan_layers, golden):
+    config = family.config("tiny", scan_layers=scan_layers)
+    golden.check(check_optimizer_sharding(family, config, mesh))
+
+
+def test_dropout(family, scan_layers, primary_mesh):
+    mesh, devices = primary_mesh
+    check_dropout(family, family.config("tiny", scan_layers=scan_layers), mesh, devices)

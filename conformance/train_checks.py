@@ -1,0 +1,401 @@
+"""Train-step checks: parity across backends, accumulation, layout variants, hygiene.
+
+Like :mod:`conformance.checks`, each function raises :class:`CheckFailure` with a report
+that names the family, the check, the step and the leaf path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from conformance.backends import transplant
+from conformance.checks import (
+    BATCH_SIZE,
+    fail,
+    param_map,
+    place_batch,
+    resolve_all,
+    shardings_for,
+)
+from conformance.families import Batch, Family
+from conformance.numerics import Mismatch, compare_arrays, compare_trees, report
+from conformance.sharding import MeshSpec, indivisible, spec_to_json
+from conformance.training import (
+    LinenTrainer,
+    NnxTrainer,
+    flat_state,
+    linen_trainer,
+    map_state_paths,
+    masked_token_loss,
+    nnx_trainer,
+)
+from conformance.trees import Flat, flatten, flatten_state, specs, stack_layers, structure_diff
+
+STEPS = 3
+"""Train steps compared for parity."""
+
+MICRO_BATCHES = 4
+"""Micro-batches the accumulation check splits a batch into."""
+
+PERSISTENT = (nnx.Param, nnx.OptState)
+"""Variable types allowed in an NNX train state (optimizer variables subclass OptState)."""
+
+
+@dataclasses.dataclass
+class Side:
+    """One backend's trainer, placed state and step function on a mesh."""
+
+    trainer: LinenTrainer | NnxTrainer
+    state: Any
+    shardings: Any
+    step: Any
+
+
+def _side(
+    family: Family, trainer: LinenTrainer | NnxTrainer, params: Flat, mesh: MeshSpec, devices: Mesh
+) -> Side:
+    by_path = shardings_for(family, trainer.logical, mesh, devices)
+    shardings = trainer.shardings(by_path)
+    state = jax.device_put(trainer.initial_state(params), shardings)
+    return Side(trainer, state, shardings, trainer.step_fn(shardings))
+
+
+def linen_and_nnx(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, micro_batches: int = 1
+) -> tuple[Side, Side, dict[str, str]]:
+    """Both sides' placed initial train states, NNX holding Linen's parameters.
+
+    Returns ``(linen, nnx, {Linen state path: NNX state path})``.
+    """
+    lt, nt = (
+        linen_trainer(family, config, micro_batches),
+        nnx_trainer(family, config, micro_batches),
+    )
+    mapping = param_map(family, "train_step", config)
+    linen_params = lt.runner.init(0, shardings_for(family, lt.runner.logical, mesh, devices))
+    nnx_shardings = shardings_for(family, nt.runner.logical, mesh, devices)
+    nt.runner.init(0, nnx_shardings)
+    nnx_params = transplant(linen_params, mapping, nt.runner.specs, nnx_shardings)
+    linen = _side(family, lt, linen_params, mesh, devices)
+    nnx_side = _side(family, nt, nnx_params, mesh, devices)
+    return linen, nnx_side, map_state_paths(mapping, flatten(linen.state))
+
+
+def _renamed(flat: Flat, mapping: dict[str, str]) -> Flat:
+    return {mapping.get(path, path): value for path, value in flat.items()}
+
+
+def compare_steps(
+    family: Family,
+    check: str,
+    what: str,
+    first: tuple[Flat, Any, Flat],
+    second: tuple[Flat, Any, Flat],
+    names: tuple[str, str] = ("Linen", "NNX"),
+) -> None:
+    """Fail unless two steps' ``(state, loss, grads)`` agree leaf for leaf."""
+    (state_a, loss_a, grads_a), (state_b, loss_b, grads_b) = first, second
+    mismatches: list[Mismatch] = []
+    found = compare_arrays("loss", loss_a, loss_b)
+    if found is not None:
+        mismatches.append(found)
+    for label, a, b in (("grads", grads_a, grads_b), ("state", state_a, state_b)):
+        mismatches += [
+            dataclasses.replace(m, path=f"{label}/{m.path}") for m in compare_trees(a, b)
+        ]
+    if mismatches:
+        fail(family, check, report(what, mismatches, names))
+
+
+def check_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
+
+    Compares per step the loss, every gradient, and the whole next state (parameters,
+    Adam moments, optax counts and the step counter).
+    """
+    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices)
+    param_mapping = param_map(family, "train_step", config)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    for step in range(1, STEPS + 1):
+        linen.state, a = linen.step(linen.state, batch)
+        nnx_side.state, b = nnx_side.step(nnx_side.state, batch)
+        compare_steps(
+            family,
+            "train_step",
+            f"step {step} of {STEPS} on mesh {mesh.id}",
+            (
+                _renamed(flat_state(linen.state), mapping),
+                a["loss"],
+                _renamed(flatten(a["grads"]), param_mapping),
+            ),
+            (flat_state(nnx_side.state), b["loss"], flat_state(b["grads"])),
+        )
+        counters = {
+            "Linen": linen.state["optimizer"]["step"],
+            "NNX": nnx_side.state["optimizer"]["step"].get_value(),
+        }
+        for side, counter in counters.items():
+            if int(counter) != step:
+                fail(
+                    family,
+                    "train_step",
+                    f"{side} optimizer/step is {int(counter)} after step {step}",
+                )
+
+
+def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
+
+    Holds on each backend, and across backends for the accumulated step.
+    """
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    whole = _one_step(*linen_and_nnx(family, config, mesh, devices), batch)
+    parts = _one_step(*linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES), batch)
+    what = f"one step on mesh {mesh.id}"
+    names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
+    for i, side in enumerate(("Linen", "NNX")):
+        compare_steps(family, "grad_accumulation", f"{side} {what}", whole[i], parts[i], names)
+    compare_steps(
+        family, "grad_accumulation", f"{MICRO_BATCHES} micro-batches, {what}", parts[0], parts[1]
+    )
+
+
+def _one_step(
+    linen: Side, nnx_side: Side, mapping: dict[str, str], batch: Batch
+) -> tuple[tuple[Flat, Any, Flat], tuple[Flat, Any, Flat]]:
+    """One step on each side, as ``(state, loss, grads)`` keyed by NNX paths."""
+    param_mapping = {
+        k.removeprefix("model/"): v.removeprefix("model/")
+        for k, v in mapping.items()
+        if k.startswith("model/")
+    }
+    state_a, a = linen.step(linen.state, batch)
+    state_b, b = nnx_side.step(nnx_side.state, batch)
+    return (
+        (
+            _renamed(flat_state(state_a), mapping),
+            a["loss"],
+            _renamed(flatten(a["grads"]), param_mapping),
+        ),
+        (flat_state(state_b), b["loss"], flat_state(b["grads"])),
+    )
+
+
+def _params_of(state: Flat) -> Flat:
+    return {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
+
+
+def _to_variant(family: Family, config: Any, changed: Any, side: str, variant: str) -> Any:
+    """Convert one backend's plain-layout parameter paths/values to the variant's layout."""
+    if variant != "scan_layers":
+        return dict
+    rules = family.layer_stack_rules(config)
+    if side == "Linen":
+        return lambda flat: stack_layers(flat, rules)
+    to_linen = {v: k for k, v in param_map(family, "layout", config).items()}
+    to_nnx = param_map(family, "layout", changed)
+    return lambda flat: _renamed(stack_layers(_renamed(flat, to_linen), rules), to_nnx)
+
+
+def check_layout_invariance(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, variant: str
+) -> None:
+    """A variant that must not change numerics does not: ``remat`` or ``scan_layers``.
+
+    ``config`` is the plain layout (no scan, no remat). On each backend, one step of the
+    plain and of the varied config from the same parameters give the same loss,
+    gradients and next parameters; for ``scan_layers`` the plain layout's layers are
+    stacked with the family's :meth:`~conformance.families.Family.layer_stack_rules`.
+    """
+    if variant == "scan_layers" and not family.layer_stack_rules(config):
+        fail(family, "layout", "the family declares no layer_stack_rules to compare layouts")
+    changed = dataclasses.replace(config, **{variant: True})
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    for side, trainer_of in (("Linen", linen_trainer), ("NNX", nnx_trainer)):
+        convert = _to_variant(family, config, changed, side, variant)
+        results = []
+        params = None
+        for cfg in (config, changed):
+            trainer = trainer_of(family, cfg)
+            param_sh = shardings_for(family, trainer.runner.logical, mesh, devices)
+            own = trainer.runner.init(0, param_sh)
+            params = (
+                own
+                if params is None
+                else transplant(convert(params), {}, trainer.runner.specs, param_sh)
+            )
+            placed = _side(family, trainer, params, mesh, devices)
+            state, metrics = placed.step(placed.state, batch)
+            results.append(
+                (_params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
+            )
+        (state_a, loss_a, grads_a), varied = results
+        compare_steps(
+            family,
+            "layout",
+            f"{side} one step on mesh {mesh.id}",
+            (convert(state_a), loss_a, convert(grads_a)),
+            varied,
+            ("plain", variant),
+        )
+
+
+def _nnx_transients(state: nnx.State) -> list[str]:
+    """Leaves of an NNX state that are not parameters or optimizer state, with their type."""
+    return [
+        f"{path}: {type(var).__module__}.{type(var).__qualname__} is not persistent state"
+        + (" (a sowed intermediate)" if isinstance(var, nnx.Intermediate) else "")
+        for path, var in flatten_state(state).items()
+        if not isinstance(var, PERSISTENT)
+    ]
+
+
+def check_hygiene(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """A step returns exactly the state it was given: nothing transient, nothing lost.
+
+    On each backend: the returned state has the input's paths, shapes, dtypes, leaf
+    count and shardings; (NNX) it holds only parameters and optimizer state, no
+    ``nnx.Intermediate`` or Variable type made by sowing under a string name; the state
+    and its sharding tree have equal leaf counts; and the step leaks no tracer
+    (``jax.checking_leaks``).
+    """
+    linen, nnx_side, _ = linen_and_nnx(family, config, mesh, devices)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    for side, placed in (("Linen", linen), ("NNX", nnx_side)):
+        trainer = placed.trainer
+        out, _ = jax.eval_shape(trainer._step, trainer.abstract_state, batch)
+        problems = structure_diff(
+            specs(flat_state(trainer.abstract_state)), specs(flat_state(out)), {}
+        )
+        if isinstance(out, nnx.State):
+            problems += _nnx_transients(out)
+        n_state, n_shard = (
+            len(jax.tree.leaves(placed.state)),
+            len(jax.tree.leaves(placed.shardings)),
+        )
+        if n_state != n_shard:
+            problems.append(f"state has {n_state} leaves but its sharding tree has {n_shard}")
+        if problems:
+            fail(
+                family,
+                "hygiene",
+                f"{side} train step does not return its input state "
+                "(left: input, right: output)\n  " + "\n  ".join(problems),
+            )
+        try:
+            with jax.checking_leaks():
+                new_state, _ = placed.step(placed.state, batch)
+        except Exception as err:
+            if "leak" not in str(err).lower():
+                raise
+            fail(family, "hygiene", f"{side} train step leaks a tracer: {err}")
+        moved = [
+            f"{path}: in {placed_in.sharding.spec}, out {value.sharding.spec}"
+            for (path, value), placed_in in zip(
+                flat_state(new_state).items(), flat_state(placed.state).values(), strict=True
+            )
+            if not value.sharding.is_equivalent_to(placed_in.sharding, value.ndim)
+        ]
+        if moved:
+            fail(family, "hygiene", f"{side} train step changes shardings\n  " + "\n  ".join(moved))
+
+
+def check_optimizer_sharding(family: Family, config: Any, mesh: MeshSpec) -> dict[str, Any]:
+    """Both sides shard every optimizer-state leaf alike, and evenly; returns the golden.
+
+    Linen's optimizer leaves take the spec of the parameter they mirror; NNX's are read
+    from the optimizer Variables' own ``out_sharding`` metadata, resolved by the same
+    rules, so a divergence in how NNX annotates optimizer state is caught.
+    """
+    lt, nt = linen_trainer(family, config), nnx_trainer(family, config)
+    mapping = map_state_paths(param_map(family, "optimizer_sharding", config), lt.logical)
+    linen_specs = resolve_all(family, "optimizer_sharding", lt.logical, mesh)
+    nnx_specs = resolve_all(family, "optimizer_sharding", nt.logical, mesh)
+    shapes = specs(flat_state(nt.abstract_state))
+    problems = []
+    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
+        if not dst.startswith("optimizer/"):
+            continue
+        if dst not in nnx_specs:
+            problems.append(f"{dst}: Linen has it (as {src}); NNX does not")
+            continue
+        if linen_specs[src] != nnx_specs[dst]:
+            problems.append(
+                f"{dst}: Linen {linen_specs[src]} != NNX {nnx_specs[dst]} "
+                f"(NNX logical {nt.logical[dst]})"
+            )
+        for dim, size, shards in indivisible(shapes[dst].shape, nnx_specs[dst], mesh):
+            problems.append(
+                f"{dst}: dim {dim} of size {size} is split {shards} ways: not divisible"
+            )
+    if problems:
+        fail(
+            family,
+            "optimizer_sharding",
+            f"{len(problems)} problem(s) on mesh {mesh.id}\n  " + "\n  ".join(problems),
+        )
+    return {
+        "mesh": dict(mesh.axes),
+        "leaves": {
+            p: spec_to_json(s, len(shapes[p].shape))
+            for p, s in sorted(nnx_specs.items())
+            if p.startswith("optimizer/")
+        },
+    }
+
+
+def check_dropout(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """With dropout on, each backend trains deterministically for a fixed seed.
+
+    Two runs of two steps from the same seed give identical losses, and dropout is
+    really applied: the first training loss differs from the deterministic forward's.
+    """
+    rate = 0.1
+    noisy = dataclasses.replace(config, dropout_rate=rate)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    for side, trainer in (
+        ("Linen", linen_trainer(family, noisy)),
+        ("NNX", nnx_trainer(family, noisy)),
+    ):
+        param_sh = shardings_for(family, trainer.runner.logical, mesh, devices)
+        params = trainer.runner.init(0, param_sh)
+        loss_sum, count = masked_token_loss(trainer.runner.forward(params, batch)[0], batch)
+        runs = [_dropout_losses(family, trainer, params, batch, mesh, devices) for _ in range(2)]
+        if runs[0] != runs[1]:
+            fail(
+                family,
+                "dropout",
+                f"{side} losses differ between two runs from one seed: {runs[0]} vs {runs[1]}",
+            )
+        if runs[0][0] == float(loss_sum / count):
+            fail(
+                family,
+                "dropout",
+                f"{side} training loss with dropout {rate} equals the "
+                f"deterministic loss ({runs[0][0]!r}): dropout is not applied",
+            )
+
+
+def _dropout_losses(
+    family: Family,
+    trainer: LinenTrainer | NnxTrainer,
+    params: Flat,
+    batch: Batch,
+    mesh: MeshSpec,
+    devices: Mesh,
+) -> list[float]:
+    placed = _side(family, trainer, params, mesh, devices)
+    state, losses = placed.state, []
+    for _ in range(2):
+        if isinstance(trainer, LinenTrainer):
+            step = trainer.step_fn(placed.shardings, dropout=True)
+            state, metrics = step(state, batch, jax.random.key(0))
+        else:
+            state, metrics = placed.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses

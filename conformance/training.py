@@ -1,0 +1,286 @@
+"""Train states and jitted, sharded train steps for both backends.
+
+Both sides keep a persistent train state with the same canonical paths:
+``model/<param path>``, ``optimizer/opt_state/<optax path>/<param path>`` and
+``optimizer/step``. A step maps ``(state, batch)`` to ``(next state, metrics)`` with
+metrics ``loss`` and per-leaf ``grads``, jitted with explicit in and out shardings.
+
+The loss is next-token cross entropy over real targets (padding and the 0 that ends
+each row are masked out), optimised with AdamW under a warmup-cosine schedule after
+global-norm clipping. With ``micro_batches > 1`` the batch is split along its first axis,
+and summed losses, token counts and gradients are accumulated before one update, so
+the result equals a step on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from conformance.backends import linen_runner, nnx_runner
+from conformance.families import Batch, Family
+from conformance.sharding import Logical, nnx_logical
+from conformance.trees import Flat, flatten, flatten_state, join_path, unflatten
+
+LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]
+GradFn = Callable[[Batch], tuple[tuple[jax.Array, jax.Array], Any]]
+
+
+def make_optimizer() -> optax.GradientTransformation:
+    """AdamW, warmup-cosine learning rate, global-norm clipping: the same on both sides."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=1e-4, peak_value=1e-3, warmup_steps=2, decay_steps=10
+    )
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+
+
+def masked_token_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross entropy over real targets, and how many targets were real."""
+    weights = ((batch.segment_ids != 0) & (batch.targets != 0)).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch.targets
+    )
+    return jnp.sum(losses * weights), jnp.sum(weights)
+
+
+def split_batch(batch: Batch, micro_batches: int) -> list[Batch]:
+    """``batch`` cut into ``micro_batches`` equal slices along the batch axis."""
+    rows = batch.tokens.shape[0]
+    if rows % micro_batches:
+        raise ValueError(f"{rows} rows do not split into {micro_batches} micro-batches")
+    size = rows // micro_batches
+    return [
+        jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch)
+        for i in range(micro_batches)
+    ]
+
+
+def accumulate(
+    grad_fn: GradFn, batch: Batch, micro_batches: int, sharding: NamedSharding | None = None
+) -> Any:
+    """Sum ``grad_fn``'s ``((loss_sum, count), grads)`` over the micro-batches of ``batch``.
+
+    With ``sharding``, each micro-batch is constrained to it first. The harness passes a
+    replicated sharding: on the CPU, XLA's SPMD partitioner (jaxlib 0.12.0.1) computes a
+    wrong gradient for a gather over a slice of a batch sharded over several mesh axes
+    (see ``tests/test_upstream.py``).
+    """
+    outputs = []
+    for micro in split_batch(batch, micro_batches):
+        if sharding is not None and micro_batches > 1:
+            micro = jax.lax.with_sharding_constraint(micro, sharding)
+        outputs.append(grad_fn(micro))
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
+
+
+def mirrored_param(path: str, params: Iterable[str]) -> tuple[str, str] | None:
+    """``(prefix, param path)`` if ``path`` ends in a parameter path (longest match first)."""
+    known = set(params)
+    parts = path.split("/")
+    for i in range(len(parts)):
+        suffix = "/".join(parts[i:])
+        if suffix in known:
+            return "/".join(parts[:i]), suffix
+    return None
+
+
+def map_state_paths(param_mapping: Mapping[str, str], paths: Iterable[str]) -> dict[str, str]:
+    """Extend a Linen -> NNX parameter map to train-state paths.
+
+    A state path ending in a parameter path (``model/<p>``, ``.../mu/<p>``) has that
+    ending rewritten; anything else (step counters, optax counts) maps to itself.
+    """
+    mapping = {}
+    for path in paths:
+        found = mirrored_param(path, param_mapping)
+        mapping[path] = path if found is None else f"{found[0]}/{param_mapping[found[1]]}"
+    return mapping
+
+
+def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any, extra: int) -> Any:
+    """Jit ``step(state, batch, *extra, micro_sharding=...)`` once per state sharding."""
+    leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    if leaves not in cache:
+        in_sh = out_sh = micro = None
+        if leaves is not None:
+            in_sh, out_sh = (shardings, None, *([None] * extra)), (shardings, None)
+            micro = replicated(leaves[0].mesh)
+        bound = functools.partial(step, micro_sharding=micro)
+        cache[leaves] = jax.jit(bound, in_shardings=in_sh, out_shardings=out_sh)
+    return cache[leaves]
+
+
+class LinenTrainer:
+    """Linen train state (a nested dict) and its step, for one family config."""
+
+    loss: LossFn = staticmethod(masked_token_loss)
+    accumulate = staticmethod(accumulate)
+
+    def __init__(self, family: Family, config: Any, micro_batches: int = 1) -> None:
+        self.runner = linen_runner(family, config)
+        self.micro_batches = micro_batches
+        self.tx = make_optimizer()
+        params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
+        self.abstract_state = jax.eval_shape(self.initial_state, params)
+        self.logical: dict[str, Logical] = {}
+        for path in flatten(self.abstract_state):
+            found = mirrored_param(path, self.runner.logical)
+            self.logical[path] = None if found is None else self.runner.logical[found[1]]
+        self._steps: dict[Any, Any] = {}
+
+    def initial_state(self, params: Flat) -> dict[str, Any]:
+        """A train state around ``params``: fresh optimizer state, step 0."""
+        nested = unflatten(params)
+        step = jnp.zeros((), jnp.int32)
+        return {"model": nested, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
+
+    def shardings(self, by_path: Mapping[str, NamedSharding]) -> Any:
+        """The state's sharding tree from ``{path: sharding}``."""
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, _: by_path[join_path(keys)], self.abstract_state
+        )
+
+    def _step(
+        self,
+        state: dict[str, Any],
+        batch: Batch,
+        rng: jax.Array | None = None,
+        micro_sharding: NamedSharding | None = None,
+    ) -> Any:
+        module, opt = self.runner.module, state["optimizer"]
+        rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, opt["step"])}
+
+        def loss_fn(params: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
+            logits = module.apply(
+                {"params": params},
+                micro.tokens,
+                micro.positions,
+                micro.segment_ids,
+                deterministic=rng is None,
+                rngs=rngs,
+            )
+            return self.loss(logits, micro)
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss_sum, count), grads = self.accumulate(
+            lambda micro: grad_fn(state["model"], micro), batch, self.micro_batches, micro_sharding
+        )
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = self.tx.update(grads, opt["opt_state"], state["model"])
+        new_state = {
+            "model": optax.apply_updates(state["model"], updates),
+            "optimizer": {"opt_state": opt_state, "step": opt["step"] + 1},
+        }
+        return new_state, {"loss": loss_sum / count, "grads": grads}
+
+    def step_fn(self, shardings: Any = None, dropout: bool = False) -> Any:
+        """The jitted ``(state, batch[, rng]) -> (state, metrics)``, cached per sharding."""
+        step = self._step if dropout else (lambda s, b, **kw: self._step(s, b, **kw))
+        return _step_fns(self._steps.setdefault(dropout, {}), step, shardings, int(dropout))
+
+
+class NnxTrainState(nnx.Module):
+    """The NNX train state: the model and its optimizer, split and merged as one."""
+
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation) -> None:
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def nnx_training_forward(model: nnx.Module, batch: Batch) -> jax.Array:
+    """Training-mode logits; sown intermediates are captured and dropped, never stored."""
+    logits, _ = nnx.capture(model, nnx.Intermediate)(
+        batch.tokens, batch.positions, batch.segment_ids, deterministic=False
+    )
+    return logits
+
+
+class NnxTrainer:
+    """NNX train state (model + optimizer) and its step, for one family config."""
+
+    loss: LossFn = staticmethod(masked_token_loss)
+    accumulate = staticmethod(accumulate)
+    forward = staticmethod(nnx_training_forward)
+
+    def __init__(self, family: Family, config: Any, micro_batches: int = 1) -> None:
+        self.runner = nnx_runner(family, config)
+        self.micro_batches = micro_batches
+        self.tx = make_optimizer()
+        abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
+        self.graphdef, self.abstract_state = nnx.split(abstract)
+        self._vars = flatten_state(self.abstract_state)
+        self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
+        self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
+        self._steps: dict[Any, Any] = {}
+
+    def fill(self, by_path: Mapping[str, Any]) -> nnx.State:
+        """An ``nnx.State`` shaped like the train state holding ``by_path``'s values."""
+        return nnx.from_flat_state(
+            [(self._keys[p], self._vars[p].replace(v)) for p, v in by_path.items()]
+        )
+
+    def initial_state(self, params: Flat) -> nnx.State:
+        """A train state around ``params``: fresh optimizer state, step 0."""
+        if self.runner.rest is None:
+            raise RuntimeError("NnxTrainer.initial_state needs NnxRunner.init() first")
+
+        def create(params_state: nnx.State, rest: nnx.State) -> nnx.State:
+            model = nnx.merge(self.runner.graphdef, params_state, rest)
+            return nnx.state(NnxTrainState(model, self.tx))
+
+        return jax.jit(create)(self.runner.state(params), self.runner.rest)
+
+    def shardings(self, by_path: Mapping[str, NamedSharding]) -> nnx.State:
+        """The state's sharding tree from ``{path: sharding}``."""
+        return self.fill({p: by_path[p] for p in self._vars})
+
+    def _step(
+        self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None
+    ) -> Any:
+        train = nnx.merge(self.graphdef, state)
+
+        def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
+            return self.loss(self.forward(model, micro), micro)
+
+        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        (loss_sum, count), grads = self.accumulate(
+            lambda micro: grad_fn(train.model, micro), batch, self.micro_batches, micro_sharding
+        )
+        grads = jax.tree.map(lambda g: g / count, grads)
+        train.optimizer.update(train.model, grads)
+        return nnx.state(train), {"loss": loss_sum / count, "grads": grads}
+
+    def step_fn(self, shardings: Any = None) -> Any:
+        """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
+        return _step_fns(self._steps, self._step, shardings, 0)
+
+
+def flat_state(state: Any) -> Flat:
+    """A train state or gradient tree (Linen dicts or NNX State) as ``{path: array}``."""
+    if isinstance(state, nnx.State):
+        return {p: v.get_value() for p, v in flatten_state(state).items()}
+    return flatten(state)
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """A fully replicated sharding on ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@functools.cache
+def linen_trainer(family: Family, config: Any, micro_batches: int = 1) -> LinenTrainer:
+    """The cached Linen trainer for ``(family, config, micro_batches)``."""
+    return LinenTrainer(family, config, micro_batches)
+
+
+@functools.cache
+def nnx_trainer(family: Family, config: Any, micro_batches: int = 1) -> NnxTrainer:
+    """The cached NNX trainer for ``(family, config, micro_batches)``."""
+    return NnxTrainer(family, config, micro_batches)
