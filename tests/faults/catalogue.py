@@ -10,10 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
+from conformance import training
 from conformance.families import Family
+from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from models.gpt3.family import Gpt3Family
 from models.llama.family import LlamaFamily
 
@@ -118,18 +122,61 @@ class EmbeddingInitScale(Gpt3Family):
         return model
 
 
+class Llama(LlamaFamily):
+    """An unchanged llama, for faults planted in the harness's NNX trainer instead."""
+
+
+def forward_without_capture(model, batch):
+    """The NNX training forward called directly: its sown ``hidden_states`` stay on the model."""
+    return model(batch.tokens, batch.positions, batch.segment_ids, deterministic=False)
+
+
+def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
+    """``accumulate`` that forgets the last micro-batch when there is more than one."""
+    micros = split_batch(batch, micro_batches)
+    micros = micros[:-1] if len(micros) > 1 else micros
+    outputs = [grad_fn(m) for m in micros]
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
+
+
+def unmasked_loss(logits, batch):
+    """``masked_token_loss`` that counts padding and the row-ending 0 targets too."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch.targets
+    )
+    return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
+
+
+class _ReshardedTrainState(NnxTrainState):
+    """NNX optimizer state whose mu for block 0's MLP up kernel is annotated on swapped axes."""
+
+    def __init__(self, model, tx):
+        super().__init__(model, tx)
+        for path, node in nnx.iter_graph(self.optimizer):
+            if path[-6:] == ("mu", "layers", 0, "mlp", "up", "kernel"):
+                node.set_metadata(out_sharding=("mlp", "embed"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """A faulty family, the check that must catch it, and what its report must say."""
+    """A faulty family, the check that must catch it, and what its report must say.
+
+    ``patch`` plants a fault in the harness's NNX trainer instead (applied with
+    ``monkeypatch`` around the check; the family is then a fresh unchanged instance, so
+    no cached trainer outlives the patch).
+    """
 
     family: Family
     check: str
     expect: tuple[str, ...]
     size: str = "tiny"
+    patch: tuple[Any, str, Any] | None = None
 
     @property
     def id(self) -> str:
-        """Test id: the fault's class name."""
+        """Test id: the fault's class name, or the patched attribute."""
+        if self.patch is not None:
+            return f"{self.patch[0].__name__}.{self.patch[1]}={self.patch[2].__name__}"
         return type(self.family).__name__
 
 
@@ -162,4 +209,35 @@ FAULTS = (
         size="6b",
     ),
     Fault(EmbeddingInitScale(), "init", ("token_embed/embedding: Linen mean=",)),
+    Fault(
+        Llama(),
+        "hygiene",
+        (
+            "NNX train step",
+            "model/hidden_states: NNX has it",
+            "model/hidden_states: flax.nnx.variablelib.Intermediate is not persistent state",
+        ),
+        patch=(NnxTrainer, "forward", staticmethod(forward_without_capture)),
+    ),
+    Fault(
+        Llama(),
+        "grad_accumulation",
+        ("NNX one step", "loss:"),
+        patch=(NnxTrainer, "accumulate", staticmethod(drop_last_micro_batch)),
+    ),
+    Fault(
+        Llama(),
+        "train_step",
+        ("step 1 of 3", "loss:"),
+        patch=(NnxTrainer, "loss", staticmethod(unmasked_loss)),
+    ),
+    Fault(
+        Llama(),
+        "optimizer_sharding",
+        (
+            "optimizer/opt_state/1/0/mu/layers/0/mlp/up/kernel: Linen P('fsdp', None)",
+            "!= NNX P(None, 'fsdp')",
+        ),
+        patch=(training, "NnxTrainState", _ReshardedTrainState),
+    ),
 )

@@ -10,6 +10,12 @@ from conformance.checks import (
     check_structure,
 )
 from conformance.sharding import parse_mesh
+from conformance.train_checks import (
+    check_grad_accumulation,
+    check_hygiene,
+    check_optimizer_sharding,
+    check_train_step,
+)
 from tests.faults.catalogue import FAULTS, Fault
 
 MESH = parse_mesh("fsdp=8")
@@ -30,12 +36,22 @@ def run_check(fault: Fault) -> None:
             check_init(family, config, MESH, MESH.devices())
         case "forward":
             check_forward(family, config, MESH, MESH.devices())
+        case "train_step":
+            check_train_step(family, config, MESH, MESH.devices())
+        case "grad_accumulation":
+            check_grad_accumulation(family, config, MESH, MESH.devices())
+        case "hygiene":
+            check_hygiene(family, config, MESH, MESH.devices())
+        case "optimizer_sharding":
+            check_optimizer_sharding(family, config, MESH)
         case _:
             raise ValueError(f"no such check {fault.check!r}")
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.id)
-def test_fault_is_caught(fault):
+def test_fault_is_caught(fault, monkeypatch):
+    if fault.patch is not None:
+        monkeypatch.setattr(*fault.patch)
     with pytest.raises(CheckFailure) as caught:
         run_check(fault)
     report = str(caught.value)
