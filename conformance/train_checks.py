@@ -116,36 +116,18 @@ def check_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh)
     """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
 
     Compares per step the loss, every gradient, and the whole next state (parameters,
-    Adam moments, optax counts and the step counter).
+    Adam moments, optax counts and the step counter, which must equal the step number).
     """
     linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices)
-    param_mapping = param_map(family, "train_step", config)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for step in range(1, STEPS + 1):
-        linen.state, a = linen.step(linen.state, batch)
-        nnx_side.state, b = nnx_side.step(nnx_side.state, batch)
+        first, second = _advance(linen, nnx_side, mapping, batch)
         compare_steps(
-            family,
-            "train_step",
-            f"step {step} of {STEPS} on mesh {mesh.id}",
-            (
-                _renamed(flat_state(linen.state), mapping),
-                a["loss"],
-                _renamed(flatten(a["grads"]), param_mapping),
-            ),
-            (flat_state(nnx_side.state), b["loss"], flat_state(b["grads"])),
+            family, "train_step", f"step {step} of {STEPS} on mesh {mesh.id}", first, second
         )
-        counters = {
-            "Linen": linen.state["optimizer"]["step"],
-            "NNX": nnx_side.state["optimizer"]["step"].get_value(),
-        }
-        for side, counter in counters.items():
-            if int(counter) != step:
-                fail(
-                    family,
-                    "train_step",
-                    f"{side} optimizer/step is {int(counter)} after step {step}",
-                )
+        counter = int(second[0]["optimizer/step"])
+        if counter != step:
+            fail(family, "train_step", f"optimizer/step is {counter} after step {step}")
 
 
 def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
@@ -154,8 +136,8 @@ def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices
     Holds on each backend, and across backends for the accumulated step.
     """
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    whole = _one_step(*linen_and_nnx(family, config, mesh, devices), batch)
-    parts = _one_step(*linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES), batch)
+    whole = _advance(*linen_and_nnx(family, config, mesh, devices), batch)
+    parts = _advance(*linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES), batch)
     what = f"one step on mesh {mesh.id}"
     names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
     for i, side in enumerate(("Linen", "NNX")):
@@ -165,24 +147,24 @@ def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices
     )
 
 
-def _one_step(
+def _advance(
     linen: Side, nnx_side: Side, mapping: dict[str, str], batch: Batch
 ) -> tuple[tuple[Flat, Any, Flat], tuple[Flat, Any, Flat]]:
-    """One step on each side, as ``(state, loss, grads)`` keyed by NNX paths."""
+    """Step both sides once (their states advance); ``(state, loss, grads)`` by NNX paths."""
     param_mapping = {
         k.removeprefix("model/"): v.removeprefix("model/")
         for k, v in mapping.items()
         if k.startswith("model/")
     }
-    state_a, a = linen.step(linen.state, batch)
-    state_b, b = nnx_side.step(nnx_side.state, batch)
+    linen.state, a = linen.step(linen.state, batch)
+    nnx_side.state, b = nnx_side.step(nnx_side.state, batch)
     return (
         (
-            _renamed(flat_state(state_a), mapping),
+            _renamed(flat_state(linen.state), mapping),
             a["loss"],
             _renamed(flatten(a["grads"]), param_mapping),
         ),
-        (flat_state(state_b), b["loss"], flat_state(b["grads"])),
+        (flat_state(nnx_side.state), b["loss"], flat_state(b["grads"])),
     )
 
 
