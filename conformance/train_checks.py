@@ -30,11 +30,19 @@ from conformance.training import (
     NnxTrainer,
     flat_state,
     linen_trainer,
-    map_state_paths,
     masked_token_loss,
     nnx_trainer,
 )
-from conformance.trees import Flat, flatten, flatten_state, specs, stack_layers, structure_diff
+from conformance.trees import (
+    Flat,
+    flatten,
+    flatten_state,
+    layer_table,
+    map_state_paths,
+    restack,
+    specs,
+    structure_diff,
+)
 
 STEPS = 3
 """Train steps compared for parity."""
@@ -60,7 +68,7 @@ def _side(
     family: Family, trainer: LinenTrainer | NnxTrainer, params: Flat, mesh: MeshSpec, devices: Mesh
 ) -> Side:
     by_path = shardings_for(family, trainer.logical, mesh, devices)
-    shardings = trainer.shardings(by_path)
+    shardings = trainer.tree(by_path)
     state = jax.device_put(trainer.initial_state(params), shardings)
     return Side(trainer, state, shardings, trainer.step_fn(shardings))
 
@@ -176,12 +184,14 @@ def _to_variant(family: Family, config: Any, changed: Any, side: str, variant: s
     """Convert one backend's plain-layout parameter paths/values to the variant's layout."""
     if variant != "scan_layers":
         return dict
-    rules = family.layer_stack_rules(config)
+    table = layer_table(
+        family.layer_stack_rules(config), linen_trainer(family, config).runner.specs
+    )
     if side == "Linen":
-        return lambda flat: stack_layers(flat, rules)
+        return lambda flat: restack(flat, table, to_scan=True)
     to_linen = {v: k for k, v in param_map(family, "layout", config).items()}
     to_nnx = param_map(family, "layout", changed)
-    return lambda flat: _renamed(stack_layers(_renamed(flat, to_linen), rules), to_nnx)
+    return lambda flat: _renamed(restack(_renamed(flat, to_linen), table, to_scan=True), to_nnx)
 
 
 def check_layout_invariance(
@@ -272,7 +282,7 @@ def check_hygiene(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
         try:
             with jax.checking_leaks():
                 new_state, _ = placed.step(placed.state, batch)
-        except Exception as err:
+        except Exception as err:  # jax reports a leaked tracer as a plain Exception
             if "leak" not in str(err).lower():
                 raise
             fail(family, "hygiene", f"{side} train step leaks a tracer: {err}")

@@ -15,7 +15,7 @@ the result equals a step on the whole batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from conformance.backends import linen_runner, nnx_runner
 from conformance.families import Batch, Family
 from conformance.sharding import Logical, nnx_logical
-from conformance.trees import Flat, flatten, flatten_state, join_path, unflatten
+from conformance.trees import Flat, flatten, flatten_state, join_path, mirrored_param, unflatten
 
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]
 GradFn = Callable[[Batch], tuple[tuple[jax.Array, jax.Array], Any]]
@@ -80,30 +80,6 @@ def accumulate(
     return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
 
 
-def mirrored_param(path: str, params: Iterable[str]) -> tuple[str, str] | None:
-    """``(prefix, param path)`` if ``path`` ends in a parameter path (longest match first)."""
-    known = set(params)
-    parts = path.split("/")
-    for i in range(len(parts)):
-        suffix = "/".join(parts[i:])
-        if suffix in known:
-            return "/".join(parts[:i]), suffix
-    return None
-
-
-def map_state_paths(param_mapping: Mapping[str, str], paths: Iterable[str]) -> dict[str, str]:
-    """Extend a Linen -> NNX parameter map to train-state paths.
-
-    A state path ending in a parameter path (``model/<p>``, ``.../mu/<p>``) has that
-    ending rewritten; anything else (step counters, optax counts) maps to itself.
-    """
-    mapping = {}
-    for path in paths:
-        found = mirrored_param(path, param_mapping)
-        mapping[path] = path if found is None else f"{found[0]}/{param_mapping[found[1]]}"
-    return mapping
-
-
 def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any, extra: int) -> Any:
     """Jit ``step(state, batch, *extra, micro_sharding=...)`` once per state sharding."""
     leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
@@ -141,8 +117,8 @@ class LinenTrainer:
         step = jnp.zeros((), jnp.int32)
         return {"model": nested, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
 
-    def shardings(self, by_path: Mapping[str, NamedSharding]) -> Any:
-        """The state's sharding tree from ``{path: sharding}``."""
+    def tree(self, by_path: Mapping[str, Any]) -> Any:
+        """The train state's tree holding ``by_path``'s arrays or shardings, by path."""
         return jax.tree_util.tree_map_with_path(
             lambda keys, _: by_path[join_path(keys)], self.abstract_state
         )
@@ -220,12 +196,6 @@ class NnxTrainer:
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
         self._steps: dict[Any, Any] = {}
 
-    def fill(self, by_path: Mapping[str, Any]) -> nnx.State:
-        """An ``nnx.State`` shaped like the train state holding ``by_path``'s values."""
-        return nnx.from_flat_state(
-            [(self._keys[p], self._vars[p].replace(v)) for p, v in by_path.items()]
-        )
-
     def initial_state(self, params: Flat) -> nnx.State:
         """A train state around ``params``: fresh optimizer state, step 0."""
         if self.runner.rest is None:
@@ -237,9 +207,11 @@ class NnxTrainer:
 
         return jax.jit(create)(self.runner.state(params), self.runner.rest)
 
-    def shardings(self, by_path: Mapping[str, NamedSharding]) -> nnx.State:
-        """The state's sharding tree from ``{path: sharding}``."""
-        return self.fill({p: by_path[p] for p in self._vars})
+    def tree(self, by_path: Mapping[str, Any]) -> nnx.State:
+        """The train state's ``nnx.State`` holding ``by_path``'s arrays or shardings."""
+        return nnx.from_flat_state(
+            [(self._keys[p], var.replace(by_path[p])) for p, var in self._vars.items()]
+        )
 
     def _step(
         self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None

@@ -149,26 +149,89 @@ def structure_diff(
     return problems
 
 
-def stack_layers(flat: Mapping[str, Any], rules: PathRules) -> Flat:
-    """Stack per-layer leaves into the scanned layout described by ``rules``.
+def mirrored_param(path: str, params: Iterable[str]) -> tuple[str, str] | None:
+    """``(prefix, param path)`` if ``path`` ends in a parameter path (longest match first).
 
-    A path matching a rule (index in group ``layer``) is renamed by the rule and stacked
-    with the same-named leaves of the other layers, in index order, on a new axis 0;
-    other paths pass through. Raises :class:`PathMapError` if a stack has gaps.
+    ``model/layers_0/mlp/wi/kernel`` and ``optimizer/opt_state/1/0/mu/layers_0/mlp/wi/kernel``
+    both end in the parameter ``layers_0/mlp/wi/kernel``; a step counter ends in none.
+    """
+    known = set(params)
+    parts = path.split("/")
+    for i in range(len(parts)):
+        suffix = "/".join(parts[i:])
+        if suffix in known:
+            return "/".join(parts[:i]), suffix
+    return None
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}/{path}" if prefix else path
+
+
+def map_state_paths(param_mapping: Mapping[str, str], paths: Iterable[str]) -> dict[str, str]:
+    """Extend a parameter path map to state paths that mirror parameters.
+
+    A path ending in a mapped parameter (``model/<p>``, ``.../mu/<p>``) has that ending
+    rewritten; anything else (step counters, optax counts) maps to itself.
+    """
+    mapping = {}
+    for path in paths:
+        found = mirrored_param(path, param_mapping)
+        mapping[path] = path if found is None else _join(found[0], param_mapping[found[1]])
+    return mapping
+
+
+def layer_table(rules: PathRules, per_layer_paths: Iterable[str]) -> dict[str, list[str]]:
+    """``{stacked path: per-layer paths in layer order}`` from a family's stack rules.
+
+    Each rule's pattern captures the layer index in a group named ``layer``. Raises
+    :class:`PathMapError` if the layers of a stacked path are not exactly 0..n-1.
     """
     compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
-    stacks: dict[str, dict[int, Any]] = {}
-    result: Flat = {}
-    for path, leaf in flat.items():
+    layers: dict[str, dict[int, str]] = {}
+    for path in per_layer_paths:
         for pattern, repl in compiled:
             match = pattern.search(path)
             if match:
-                stacks.setdefault(pattern.sub(repl, path, count=1), {})[int(match["layer"])] = leaf
+                stacked = pattern.sub(repl, path, count=1)
+                layers.setdefault(stacked, {})[int(match["layer"])] = path
                 break
-        else:
-            result[path] = leaf
-    for path, layers in stacks.items():
-        if sorted(layers) != list(range(len(layers))):
-            raise PathMapError(f"layers of {path} are not 0..n-1: found {sorted(layers)}")
-        result[path] = np.stack([np.asarray(layers[i]) for i in range(len(layers))])
+    table = {}
+    for stacked, by_index in layers.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise PathMapError(f"layers of {stacked} are not 0..n-1: found {sorted(by_index)}")
+        table[stacked] = [by_index[i] for i in range(len(by_index))]
+    return table
+
+
+def restack(flat: Mapping[str, Any], table: Mapping[str, list[str]], to_scan: bool) -> Flat:
+    """Stack per-layer leaves into the scanned layout (``to_scan``) or split them back.
+
+    ``table`` comes from :func:`layer_table`. Any path ending in one of its parameter
+    paths (the parameter itself, or an optimizer moment mirroring it) is converted: its
+    layers stacked on a new axis 0 in layer order, or a stacked leaf split along axis 0.
+    Other paths pass through unchanged.
+    """
+    result: Flat = {}
+    if not to_scan:
+        for path, value in flat.items():
+            found = mirrored_param(path, table)
+            if found is None:
+                result[path] = value
+                continue
+            prefix, stacked = found
+            for index, param in enumerate(table[stacked]):
+                result[_join(prefix, param)] = np.asarray(value)[index]
+        return result
+    owner = {param: stacked for stacked, params in table.items() for param in params}
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for path, value in flat.items():
+        found = mirrored_param(path, owner)
+        if found is None:
+            result[path] = value
+            continue
+        prefix, param = found
+        groups.setdefault((prefix, owner[param]), {})[param] = value
+    for (prefix, stacked), layers in groups.items():
+        result[_join(prefix, stacked)] = np.stack([np.asarray(layers[p]) for p in table[stacked]])
     return result

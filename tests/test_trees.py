@@ -6,7 +6,10 @@ from conformance.trees import (
     PathMapError,
     check_bijection,
     flatten,
+    layer_table,
     map_paths,
+    map_state_paths,
+    restack,
     structure_diff,
     unflatten,
 )
@@ -48,3 +51,41 @@ def test_structure_diff_reports_missing_extra_and_changed_leaves():
         "c: Linen float32[4, 8] (as c) != NNX float32[8, 4]",
         "d: NNX has it (float32[4, 8]); Linen does not",
     ]
+
+
+STACK = ((r"^layers_(?P<layer>\d+)/", "layers/"),)
+
+
+def test_layer_table_orders_layers_and_refuses_gaps():
+    table = layer_table(STACK, ["layers_1/w", "layers_0/w", "head/w"])
+    assert table == {"layers/w": ["layers_0/w", "layers_1/w"]}
+    with pytest.raises(PathMapError, match=r"not 0\.\.n-1"):
+        layer_table(STACK, ["layers_0/w", "layers_2/w"])
+
+
+def test_restack_round_trips_parameters_and_their_moments():
+    flat = {
+        "model/layers_0/w": np.zeros((2, 3)),
+        "model/layers_1/w": np.ones((2, 3)),
+        "opt/mu/layers_0/w": np.full((2, 3), 2.0),
+        "opt/mu/layers_1/w": np.full((2, 3), 3.0),
+        "step": np.int32(4),
+    }
+    table = layer_table(STACK, ["layers_0/w", "layers_1/w"])
+    stacked = restack(flat, table, to_scan=True)
+    assert sorted(stacked) == ["model/layers/w", "opt/mu/layers/w", "step"]
+    assert stacked["opt/mu/layers/w"].shape == (2, 2, 3)
+    assert stacked["opt/mu/layers/w"][1, 0, 0] == 3.0
+    back = restack(stacked, table, to_scan=False)
+    assert all(np.array_equal(back[p], flat[p]) for p in flat)
+
+
+def test_map_state_paths_follows_parameter_suffixes():
+    mapping = map_state_paths(
+        {"layers_0/w": "layers/0/w"}, ["model/layers_0/w", "opt/1/0/mu/layers_0/w", "step"]
+    )
+    assert mapping == {
+        "model/layers_0/w": "model/layers/0/w",
+        "opt/1/0/mu/layers_0/w": "opt/1/0/mu/layers/0/w",
+        "step": "step",
+    }
