@@ -12,12 +12,15 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
-from conformance import training
+from conformance import checkpoints, training
+from conformance.checkpoints import cast_counters as checkpoints_cast_counters
 from conformance.families import Family
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
+from conformance.trees import restack as checkpoints_restack
 from models.gpt3.family import Gpt3Family
 from models.llama.family import LlamaFamily
 
@@ -157,6 +160,53 @@ class _ReshardedTrainState(NnxTrainState):
                 node.set_metadata(out_sharding=("mlp", "embed"))
 
 
+class RenamedLeaf(LlamaFamily):
+    """NNX names the final norm ``norm_f``: a checkpoint of the real llama must not load."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.norm_f = model.final_norm
+        del model.final_norm
+        return model
+
+
+def _drops_final_norm(state, mapping):
+    """The converter's rename step, losing every ``final_norm/scale`` leaf."""
+    renamed = {mapping.get(p, p): v for p, v in state.items()}
+    return {p: v for p, v in renamed.items() if not p.endswith("final_norm/scale")}
+
+
+def _swaps_moments(state, mapping):
+    """The converter's rename step, writing Adam's mu as nu and nu as mu."""
+    swap = {"/mu/": "/nu/", "/nu/": "/mu/"}
+
+    def swapped(path):
+        for old, new in swap.items():
+            if old in path:
+                return path.replace(old, new)
+        return path
+
+    return {swapped(mapping.get(p, p)): v for p, v in state.items()}
+
+
+def _stacks_on_axis_1(flat, table, to_scan):
+    """``restack`` that stacks layers on axis 1 instead of 0."""
+    if not to_scan:
+        return checkpoints_restack(flat, table, to_scan)
+    stacked = checkpoints_restack(flat, table, to_scan)
+    stacked_paths = tuple(table)
+    return {
+        p: np.moveaxis(v, 0, 1) if p.endswith(stacked_paths) and np.ndim(v) > 1 else v
+        for p, v in stacked.items()
+    }
+
+
+def _loses_step(state, target):
+    """``cast_counters`` that also resets the step counter to 0."""
+    cast = checkpoints_cast_counters(state, target)
+    return {p: np.zeros_like(v) if p == "optimizer/step" else v for p, v in cast.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """A faulty family, the check that must catch it, and what its report must say.
@@ -171,12 +221,14 @@ class Fault:
     expect: tuple[str, ...]
     size: str = "tiny"
     patch: tuple[Any, str, Any] | None = None
+    layouts: tuple[bool, bool] = (False, False)
 
     @property
     def id(self) -> str:
         """Test id: the fault's class name, or the patched attribute."""
         if self.patch is not None:
-            return f"{self.patch[0].__name__}.{self.patch[1]}={self.patch[2].__name__}"
+            owner = getattr(self.patch[0], "__name__", "").rsplit(".", 1)[-1]
+            return f"{owner}.{self.patch[1]}={self.patch[2].__name__.lstrip('_')}"
         return type(self.family).__name__
 
 
@@ -239,5 +291,41 @@ FAULTS = (
             "!= NNX P(None, 'fsdp')",
         ),
         patch=(training, "NnxTrainState", _ReshardedTrainState),
+    ),
+    Fault(
+        Llama(),
+        "checkpoint_conversion",
+        ("model/final_norm/scale: in the target, missing from the checkpoint",),
+        patch=(checkpoints, "_rename", _drops_final_norm),
+    ),
+    Fault(
+        Llama(),
+        "checkpoint_conversion",
+        (
+            "model/layers/mlp/gate/kernel: checkpoint float32[64, 2, 128]",
+            "!= target float32[2, 64, 128]",
+        ),
+        patch=(checkpoints, "restack", _stacks_on_axis_1),
+        layouts=(False, True),
+    ),
+    Fault(
+        Llama(),
+        "checkpoint_conversion",
+        ("next train step", "state/optimizer/opt_state/1/0/mu/"),
+        patch=(checkpoints, "_rename", _swaps_moments),
+    ),
+    Fault(
+        Llama(),
+        "checkpoint_conversion",
+        ("next train step", "state/optimizer/step:"),
+        patch=(checkpoints, "cast_counters", _loses_step),
+    ),
+    Fault(
+        RenamedLeaf(),
+        "restore",
+        (
+            "model/norm_f/scale: in the target, missing from the checkpoint",
+            "model/final_norm/scale: in the checkpoint, not in the target",
+        ),
     ),
 )

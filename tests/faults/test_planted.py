@@ -1,7 +1,12 @@
 """Each planted fault must make its intended check fail, naming the right leaf path."""
 
+from pathlib import Path
+
 import pytest
 
+from conformance import families
+from conformance.checkpoint_checks import check_checkpoint_conversion, restore_checked
+from conformance.checkpoints import CheckpointInfo, expected_layout, save
 from conformance.checks import (
     CheckFailure,
     check_forward,
@@ -16,16 +21,28 @@ from conformance.train_checks import (
     check_optimizer_sharding,
     check_train_step,
 )
+from conformance.training import flat_state, nnx_trainer
 from tests.faults.catalogue import FAULTS, Fault
 
 MESH = parse_mesh("fsdp=8")
 TOPOLOGY = parse_mesh("4x8x8")
 
 
-def run_check(fault: Fault) -> None:
+def run_check(fault: Fault, workdir: Path) -> None:
     family = fault.family
     config = family.config(fault.size, scan_layers=False)
     match fault.check:
+        case "checkpoint_conversion":
+            source_scan, target_scan = fault.layouts
+            info = CheckpointInfo(family.name, fault.size, "linen", source_scan)
+            check_checkpoint_conversion(family, info, target_scan, MESH, MESH.devices(), workdir)
+        case "restore":
+            real = families.get(family.name)
+            trainer = nnx_trainer(real, config)
+            trainer.runner.init(0)
+            state = flat_state(trainer.initial_state(trainer.runner.init(0)))
+            save(workdir / "real", state, CheckpointInfo(real.name, fault.size, "nnx", False))
+            restore_checked(family, workdir / "real", expected_layout(family, config, "nnx"), None)
         case "structure":
             check_structure(family, config)
         case "sharding":
@@ -49,13 +66,17 @@ def run_check(fault: Fault) -> None:
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.id)
-def test_fault_is_caught(fault, monkeypatch):
+def test_fault_is_caught(fault, monkeypatch, tmp_path):
     if fault.patch is not None:
         monkeypatch.setattr(*fault.patch)
     with pytest.raises(CheckFailure) as caught:
-        run_check(fault)
+        run_check(fault, tmp_path)
     report = str(caught.value)
-    check = "sharding" if fault.check == "sharding_topology" else fault.check
+    check = {
+        "sharding_topology": "sharding",
+        "checkpoint_conversion": "checkpoint",
+        "restore": "checkpoint",
+    }.get(fault.check, fault.check)
     assert report.startswith(f"{fault.family.name} {check}:"), report
     for expected in fault.expect:
         assert expected in report, f"{expected!r} not in report:\n{report}"

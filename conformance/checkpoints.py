@@ -1,0 +1,227 @@
+"""Checkpoint directories: save, strict restore, and Linen <-> NNX conversion.
+
+A checkpoint directory written here holds ``state/``, an orbax ``StandardCheckpointer``
+tree of the train state as nested dicts keyed by canonical path components, and
+``conformance.json``, which says what the state is: family, config size, backend and
+layer layout. orbax alone restores a renamed leaf as an error but casts dtypes silently,
+so :func:`restore` compares the stored layout with the target first and refuses any
+missing, extra, reshaped or retyped leaf, naming its path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Sharding
+
+from conformance.backends import linen_runner, path_map
+from conformance.families import Family
+from conformance.training import flat_state, linen_trainer, nnx_trainer
+from conformance.trees import (
+    Flat,
+    LeafSpec,
+    flatten,
+    layer_table,
+    map_state_paths,
+    restack,
+    specs,
+    unflatten,
+)
+
+FORMAT_VERSION = 1
+INFO_FILE = "conformance.json"
+STATE_DIR = "state"
+BACKENDS = ("linen", "nnx")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, corrupt, of another model, or not restorable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint holds: which family and size, which backend, which layout."""
+
+    family: str
+    size: str
+    backend: str
+    scan_layers: bool
+
+    @property
+    def layout(self) -> str:
+        """``"scan"`` (layers stacked) or ``"loop"`` (one subtree per layer)."""
+        return "scan" if self.scan_layers else "loop"
+
+
+def save(directory: Path, state: Flat, info: CheckpointInfo) -> None:
+    """Write ``state`` and ``info`` to a new ``directory``; an existing one is refused.
+
+    The state is written to a temporary sibling first and renamed into place, so a
+    failed save never leaves a half-written checkpoint under ``directory``.
+    """
+    directory = Path(directory)
+    if directory.exists():
+        raise CheckpointError(f"{directory} already exists; refusing to write over it")
+    staging = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(staging.absolute() / STATE_DIR, unflatten(state))
+    checkpointer.wait_until_finished()
+    record = {"format": FORMAT_VERSION, **dataclasses.asdict(info)}
+    (staging / INFO_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    staging.rename(directory)
+
+
+def read_info(directory: Path) -> CheckpointInfo:
+    """The checkpoint's ``conformance.json``; a :class:`CheckpointError` says what is wrong."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {directory}")
+    path = directory / INFO_FILE
+    try:
+        record = json.loads(path.read_text())
+        if record.pop("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: unsupported format, expected {FORMAT_VERSION}")
+        info = CheckpointInfo(**record)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{directory} has no {INFO_FILE}: not a conformance checkpoint"
+        ) from None
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is corrupted: {err}") from None
+    if info.backend not in BACKENDS:
+        raise CheckpointError(f"{path}: backend {info.backend!r} is not one of {BACKENDS}")
+    return info
+
+
+def stored_layout(directory: Path) -> dict[str, LeafSpec]:
+    """``{path: LeafSpec}`` of the stored state, read from orbax metadata only."""
+    state_dir = Path(directory).absolute() / STATE_DIR
+    try:
+        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+    except Exception as err:  # orbax raises many types for a damaged directory
+        raise CheckpointError(
+            f"cannot read checkpoint {state_dir}: {type(err).__name__}: {err}"
+        ) from None
+    return {
+        path: LeafSpec(tuple(meta.shape), str(np.dtype(meta.dtype)))
+        for path, meta in flatten(tree, is_leaf=lambda x: hasattr(x, "shape")).items()
+    }
+
+
+def layout_problems(stored: Mapping[str, LeafSpec], target: Mapping[str, LeafSpec]) -> list[str]:
+    """Every way ``stored`` differs from ``target``, one line per leaf path."""
+    problems = [
+        f"{p}: in the target, missing from the checkpoint"
+        for p in sorted(target.keys() - stored.keys())
+    ]
+    problems += [
+        f"{p}: in the checkpoint, not in the target" for p in sorted(stored.keys() - target.keys())
+    ]
+    for path in sorted(stored.keys() & target.keys()):
+        if stored[path] != target[path]:
+            problems.append(f"{path}: checkpoint {stored[path]} != target {target[path]}")
+    return problems
+
+
+def restore(
+    directory: Path,
+    target: Mapping[str, LeafSpec],
+    shardings: Mapping[str, Sharding] | None = None,
+) -> Flat:
+    """Restore exactly ``target``'s leaves, placed with ``shardings`` (default: host).
+
+    Raises :class:`CheckpointError` naming every missing, extra, reshaped or retyped
+    leaf before reading any data: never a zero-filled leaf, never a silent cast.
+    """
+    state_dir = Path(directory).absolute() / STATE_DIR
+    problems = layout_problems(stored_layout(directory), target)
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {directory} does not match the restore target\n  " + "\n  ".join(problems)
+        )
+    abstract = {
+        path: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=(shardings or {}).get(path))
+        for path, spec in target.items()
+    }
+    try:
+        restored = flatten(ocp.StandardCheckpointer().restore(state_dir, unflatten(abstract)))
+    except Exception as err:  # orbax raises many types for damaged data
+        raise CheckpointError(f"cannot restore {state_dir}: {type(err).__name__}: {err}") from None
+    retyped = [
+        f"{p}: restored {LeafSpec.of(v)} != target {target[p]}"
+        for p, v in restored.items()
+        if LeafSpec.of(v) != target[p]
+    ]
+    if retyped:
+        raise CheckpointError(
+            f"checkpoint {directory} restored with other types\n  " + "\n  ".join(retyped)
+        )
+    return restored
+
+
+def _rename(state: Flat, mapping: Mapping[str, str]) -> Flat:
+    return {mapping.get(path, path): value for path, value in state.items()}
+
+
+def convert(
+    state: Flat, family: Family, source: CheckpointInfo, backend: str, scan_layers: bool
+) -> tuple[Flat, CheckpointInfo]:
+    """Convert a train state between backends and layer layouts.
+
+    The state goes to Linen paths of its own layout, is restacked if the layout
+    changes, and then goes to the target backend's paths; optimizer moments follow
+    their parameters and counters pass through unchanged.
+    """
+    src_config = family.config(source.size, scan_layers=source.scan_layers)
+    dst_config = family.config(source.size, scan_layers=scan_layers)
+    if source.backend == "nnx":
+        to_linen = {v: k for k, v in path_map(family, src_config).items()}
+        state = _rename(state, map_state_paths(to_linen, state))
+    if source.scan_layers != scan_layers:
+        loop_config = family.config(source.size, scan_layers=False)
+        table = layer_table(
+            family.layer_stack_rules(loop_config), linen_runner(family, loop_config).specs
+        )
+        state = restack(state, table, to_scan=scan_layers)
+    if backend == "nnx":
+        state = _rename(state, map_state_paths(path_map(family, dst_config), state))
+    state = cast_counters(state, expected_layout(family, dst_config, backend))
+    return state, dataclasses.replace(source, backend=backend, scan_layers=scan_layers)
+
+
+def expected_layout(family: Family, config: Any, backend: str) -> dict[str, LeafSpec]:
+    """``{path: LeafSpec}`` of the train state the harness builds for ``backend``."""
+    trainer = (linen_trainer if backend == "linen" else nnx_trainer)(family, config)
+    return specs(flat_state(trainer.abstract_state))
+
+
+def cast_counters(state: Flat, target: Mapping[str, LeafSpec]) -> Flat:
+    """Cast integer scalars (step counters) to the target's integer dtype, exactly.
+
+    The one dtype change conversion makes: Linen train states count steps in int32,
+    ``nnx.Optimizer`` in uint32. A value the target dtype cannot hold is an error;
+    every other leaf keeps its dtype (restore will refuse a mismatch).
+    """
+    result = dict(state)
+    for path, value in state.items():
+        want = target.get(path)
+        have = np.asarray(value)
+        if want is None or have.shape or want.dtype == str(have.dtype):
+            continue
+        if not (np.issubdtype(have.dtype, np.integer) and np.issubdtype(want.dtype, np.integer)):
+            continue
+        cast = have.astype(want.dtype)
+        if cast.astype(have.dtype) != have:
+            raise CheckpointError(f"{path}: counter {have} does not fit in {want.dtype}")
+        result[path] = cast
+    return result

@@ -1,0 +1,29 @@
+"""Checkpoints: orbax round trips (same mesh and resharded) and Linen <-> NNX conversion."""
+
+import pytest
+
+from conformance.checkpoint_checks import check_checkpoint_conversion, check_checkpoint_roundtrip
+from conformance.checkpoints import CheckpointInfo
+
+LAYOUT_PAIRS = {
+    "loop-loop": (False, False),
+    "scan-scan": (True, True),
+    "loop-scan": (False, True),
+    "scan-loop": (True, False),
+}
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+def test_checkpoint_roundtrip(
+    family, mesh, scan_layers, device_mesh, primary_mesh, backend, tmp_path
+):
+    info = CheckpointInfo(family.name, "tiny", backend, scan_layers)
+    check_checkpoint_roundtrip(family, info, primary_mesh, (mesh, device_mesh), tmp_path)
+
+
+@pytest.mark.parametrize("source", ["linen", "nnx"])
+@pytest.mark.parametrize("layouts", list(LAYOUT_PAIRS))
+def test_checkpoint_conversion(family, primary_mesh, source, layouts, tmp_path):
+    source_scan, target_scan = LAYOUT_PAIRS[layouts]
+    info = CheckpointInfo(family.name, "tiny", source, source_scan)
+    check_checkpoint_conversion(family, info, target_scan, *primary_mesh, tmp_path)
