@@ -14,7 +14,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from conformance.checkpoints import CheckpointError, CheckpointInfo, convert, restore, save
-from conformance.checks import BATCH_SIZE, fail, place_batch, shardings_for
+from conformance.checks import (
+    BATCH_SIZE,
+    fail,
+    fail_if_any,
+    misplaced,
+    place_batch,
+    shardings_for,
+)
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.sharding import MeshSpec
@@ -82,15 +89,8 @@ def check_checkpoint_roundtrip(
     restored = restore_checked(family, directory, specs(state), shardings)
     where = f"{info.backend} saved on {saved_on[0].id}, restored on {restored_on[0].id}"
     differences = byte_differences(state, restored)
-    if differences:
-        fail(family, CHECK, f"{where}: not byte-exact\n  " + "\n  ".join(differences))
-    misplaced = [
-        f"{path}: expected {shardings[path].spec}, restored as {value.sharding}"
-        for path, value in sorted(restored.items())
-        if not value.sharding.is_equivalent_to(shardings[path], value.ndim)
-    ]
-    if misplaced:
-        fail(family, CHECK, f"{where}: shardings not as asked\n  " + "\n  ".join(misplaced))
+    fail_if_any(family, CHECK, f"{where}: not byte-exact", differences)
+    fail_if_any(family, CHECK, f"{where}: shardings not as asked", misplaced(restored, shardings))
 
 
 def check_checkpoint_conversion(
@@ -166,9 +166,4 @@ def check_checkpoint_conversion(
     )
     back, _ = convert(converted, family, info, source.backend, source.scan_layers)
     differences = byte_differences(state, back)
-    if differences:
-        fail(
-            family,
-            CHECK,
-            f"round trip {what} and back is not byte-exact\n  " + "\n  ".join(differences),
-        )
+    fail_if_any(family, CHECK, f"round trip {what} and back is not byte-exact", differences)

@@ -8,7 +8,7 @@ Every message starts with ``<family> <check>:`` and names leaf paths.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -57,6 +57,21 @@ def fail(family: Family, check: str, message: str) -> NoReturn:
     raise CheckFailure(f"{family.name} {check}: {message}")
 
 
+def fail_if_any(family: Family, check: str, title: str, problems: Sequence[str]) -> None:
+    """Fail with ``title`` and one indented line per problem, if there are any."""
+    if problems:
+        fail(family, check, f"{title}\n  " + "\n  ".join(problems))
+
+
+def misplaced(arrays: Mapping[str, Any], shardings: Mapping[str, Any]) -> list[str]:
+    """Arrays not placed as ``shardings`` asks, one line each: path, expected, actual."""
+    return [
+        f"{path}: expected {shardings[path].spec}, placed as {value.sharding}"
+        for path, value in sorted(arrays.items())
+        if not value.sharding.is_equivalent_to(shardings[path], value.ndim)
+    ]
+
+
 def param_map(family: Family, check: str, config: Any) -> dict[str, str]:
     """``{Linen param path: NNX param path}``, checked to be a bijection (else a failure)."""
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
@@ -76,13 +91,8 @@ def check_structure(family: Family, config: Any) -> dict[str, Any]:
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = map_paths(family.path_rules(config), linen.specs)
     problems = structure_diff(linen.specs, nnx_.specs, mapping)
-    if problems:
-        counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
-        fail(
-            family,
-            "structure",
-            f"{len(problems)} difference(s) ({counts})\n  " + "\n  ".join(problems),
-        )
+    counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
+    fail_if_any(family, "structure", f"{len(problems)} difference(s) ({counts})", problems)
     return {
         "leaf_count": len(nnx_.specs),
         "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
@@ -101,8 +111,7 @@ def resolve_all(
             resolved[path] = resolve_spec(names, rules, mesh)
         except UnknownLogicalAxis as err:
             unknown.append(f"{path}: logical axis {err.args[0]!r} has no rule")
-    if unknown:
-        fail(family, check, "unknown logical axes\n  " + "\n  ".join(unknown))
+    fail_if_any(family, check, "unknown logical axes", unknown)
     return resolved
 
 
@@ -131,12 +140,7 @@ def check_sharding(
                 f"{dst}: dim {dim} of size {size} is split {shards} ways by "
                 f"{nnx_specs[dst]} on mesh {mesh.id}: not divisible"
             )
-    if problems:
-        fail(
-            family,
-            check,
-            f"{len(problems)} problem(s) on mesh {mesh.id}\n  " + "\n  ".join(problems),
-        )
+    fail_if_any(family, check, f"{len(problems)} problem(s) on mesh {mesh.id}", problems)
     if devices is not None:
         _check_placement(family, linen, linen_specs, devices, "Linen")
         _check_placement(family, nnx_, nnx_specs, devices, "NNX")
@@ -161,13 +165,9 @@ def _check_placement(
 ) -> None:
     shardings = {p: NamedSharding(devices, s) for p, s in specs.items()}
     params = runner.init(0, shardings)
-    wrong = [
-        f"{path}: expected {shardings[path].spec}, placed as {value.sharding}"
-        for path, value in sorted(params.items())
-        if not value.sharding.is_equivalent_to(shardings[path], value.ndim)
-    ]
-    if wrong:
-        fail(family, "sharding", f"{side} arrays placed off their specs\n  " + "\n  ".join(wrong))
+    fail_if_any(
+        family, "sharding", f"{side} arrays placed off their specs", misplaced(params, shardings)
+    )
 
 
 def place_batch(family: Family, batch: Batch, mesh: MeshSpec, devices: Mesh) -> Batch:
@@ -213,13 +213,11 @@ def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> No
                 f"{dst}: Linen mean={mx:.6g} std={sx:.6g}; NNX mean={my:.6g} std={sy:.6g}; "
                 f"n={n}; allowed {bound}"
             )
-    if problems:
-        fail(
-            family,
-            "init",
-            f"{len(problems)} leaf initialiser(s) differ in distribution "
-            f"(bound: {INIT_Z:g} standard errors)\n  " + "\n  ".join(problems),
-        )
+    title = (
+        f"{len(problems)} leaf initialiser(s) differ in distribution "
+        f"(bound: {INIT_Z:g} standard errors)"
+    )
+    fail_if_any(family, "init", title, problems)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,8 @@ from conformance.backends import transplant
 from conformance.checks import (
     BATCH_SIZE,
     fail,
+    fail_if_any,
+    misplaced,
     param_map,
     place_batch,
     resolve_all,
@@ -272,13 +274,8 @@ def check_hygiene(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
         )
         if n_state != n_shard:
             problems.append(f"state has {n_state} leaves but its sharding tree has {n_shard}")
-        if problems:
-            fail(
-                family,
-                "hygiene",
-                f"{side} train step does not return its input state "
-                "(left: input, right: output)\n  " + "\n  ".join(problems),
-            )
+        title = f"{side} train step does not return its input state (left: input, right: output)"
+        fail_if_any(family, "hygiene", title, problems)
         try:
             with jax.checking_leaks():
                 new_state, _ = placed.step(placed.state, batch)
@@ -286,15 +283,13 @@ def check_hygiene(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
             if "leak" not in str(err).lower():
                 raise
             fail(family, "hygiene", f"{side} train step leaks a tracer: {err}")
-        moved = [
-            f"{path}: in {placed_in.sharding.spec}, out {value.sharding.spec}"
-            for (path, value), placed_in in zip(
-                flat_state(new_state).items(), flat_state(placed.state).values(), strict=True
-            )
-            if not value.sharding.is_equivalent_to(placed_in.sharding, value.ndim)
-        ]
-        if moved:
-            fail(family, "hygiene", f"{side} train step changes shardings\n  " + "\n  ".join(moved))
+        expected = {p: v.sharding for p, v in flat_state(placed.state).items()}
+        fail_if_any(
+            family,
+            "hygiene",
+            f"{side} train step changes shardings",
+            misplaced(flat_state(new_state), expected),
+        )
 
 
 def check_optimizer_sharding(family: Family, config: Any, mesh: MeshSpec) -> dict[str, Any]:
@@ -325,12 +320,8 @@ def check_optimizer_sharding(family: Family, config: Any, mesh: MeshSpec) -> dic
             problems.append(
                 f"{dst}: dim {dim} of size {size} is split {shards} ways: not divisible"
             )
-    if problems:
-        fail(
-            family,
-            "optimizer_sharding",
-            f"{len(problems)} problem(s) on mesh {mesh.id}\n  " + "\n  ".join(problems),
-        )
+    title = f"{len(problems)} problem(s) on mesh {mesh.id}"
+    fail_if_any(family, "optimizer_sharding", title, problems)
     return {
         "mesh": dict(mesh.axes),
         "leaves": {
