@@ -1,7 +1,8 @@
 """Pure, parameter-free math shared by the Linen and NNX implementations.
 
-Nothing here owns, names, annotates or initialises a parameter: that is written
-separately for each backend, because that is where migrations diverge.
+Nothing here owns, names or annotates a parameter: that is written separately for
+each backend, because that is where migrations diverge. The initializers are shared
+so that both backends draw from the same distributions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 """Logical-axis rules shared by every built-in family, first match wins."""
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+
+EMBED_INIT = jax.nn.initializers.normal(stddev=0.02)
+"""Initializer of every embedding table."""
+
+
+def kernel_init(num_in: int, num_out: int) -> jax.nn.initializers.Initializer:
+    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
+    return jax.nn.initializers.variance_scaling(
+        1.0,
+        "fan_in",
+        "truncated_normal",
+        in_axis=tuple(range(num_in)),
+        out_axis=tuple(range(num_in, num_in + num_out)),
+    )
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:

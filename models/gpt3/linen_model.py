@@ -15,58 +15,7 @@ from flax import linen as nn
 
 from models import common
 from models.config import TransformerConfig
-
-EMBED_INIT = nn.initializers.normal(stddev=0.02)
-
-
-def kernel_init(num_in: int, num_out: int) -> nn.initializers.Initializer:
-    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
-    return nn.initializers.variance_scaling(
-        1.0,
-        "fan_in",
-        "truncated_normal",
-        in_axis=tuple(range(num_in)),
-        out_axis=tuple(range(num_in, num_in + num_out)),
-    )
-
-
-class DenseGeneral(nn.Module):
-    """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus a bias.
-
-    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
-    bias (if any) is ``out_shape`` with the trailing names.
-    """
-
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    use_bias: bool
-    dtype: Any
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the projection in ``dtype``."""
-        num_in, num_out = len(self.in_shape), len(self.out_shape)
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
-            self.in_shape + self.out_shape,
-            self.param_dtype,
-        )
-        contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-        y = jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
-        )
-        if self.use_bias:
-            bias = self.param(
-                "bias",
-                nn.with_logical_partitioning(nn.initializers.zeros, self.axis_names[num_in:]),
-                self.out_shape,
-                self.param_dtype,
-            )
-            y = y + bias.astype(self.dtype)
-        return y
+from models.linen_layers import DenseGeneral, Embed, apply_layers
 
 
 class LayerNorm(nn.Module):
@@ -98,33 +47,6 @@ class LayerNorm(nn.Module):
         y = centered * jax.lax.rsqrt(variance + self.eps)
         y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
         return y.astype(self.dtype)
-
-
-class Embed(nn.Module):
-    """A learned embedding table ``[num_embeddings, features]``."""
-
-    num_embeddings: int
-    features: int
-    axis_names: tuple[str, str]
-    dtype: Any
-    param_dtype: Any
-
-    def setup(self) -> None:
-        """Create the table."""
-        self.embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(EMBED_INIT, self.axis_names),
-            (self.num_embeddings, self.features),
-            self.param_dtype,
-        )
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """Look up ``ids`` and return the rows in ``dtype``."""
-        return jnp.take(self.embedding.astype(self.dtype), ids, axis=0)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""
-        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), self.embedding.astype(self.dtype))
 
 
 class Attention(nn.Module):
@@ -255,26 +177,7 @@ class Gpt3(nn.Module):
         x = token_embed(tokens) + pos_embed(positions)
         mask = common.attention_mask(segment_ids)
 
-        block_cls: Any = Block
-        if cfg.remat:
-            # Argument 3 (counting self) is `deterministic`, a Python bool.
-            block_cls = nn.remat(Block, static_argnums=(3,), prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(
-                block_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
-            x, hidden_states = stack(x, mask, deterministic)
-        else:
-            outputs = []
-            for i in range(cfg.num_layers):
-                x, _ = block_cls(cfg, name=f"layers_{i}")(x, mask, deterministic)
-                outputs.append(x)
-            hidden_states = jnp.stack(outputs)
+        x, hidden_states = apply_layers(Block, cfg, x, mask, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", hidden_states)
 
         x = LayerNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)

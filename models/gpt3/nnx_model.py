@@ -15,59 +15,7 @@ from flax import nnx
 
 from models import common
 from models.config import TransformerConfig
-
-EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-
-
-def kernel_init(num_in: int, num_out: int) -> nnx.Initializer:
-    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
-    return nnx.initializers.variance_scaling(
-        1.0,
-        "fan_in",
-        "truncated_normal",
-        in_axis=tuple(range(num_in)),
-        out_axis=tuple(range(num_in, num_in + num_out)),
-    )
-
-
-class DenseGeneral(nnx.Module):
-    """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus a bias.
-
-    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
-    bias (if any) is ``out_shape`` with the trailing names.
-    """
-
-    def __init__(
-        self,
-        in_shape: tuple[int, ...],
-        out_shape: tuple[int, ...],
-        axis_names: tuple[str, ...],
-        *,
-        use_bias: bool,
-        dtype: Any,
-        param_dtype: Any,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.num_in = len(in_shape)
-        self.dtype = dtype
-        init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
-        self.kernel = nnx.Param(init(rngs.params(), in_shape + out_shape, param_dtype))
-        self.bias: nnx.Param | None
-        if use_bias:
-            bias_init = nnx.with_partitioning(nnx.initializers.zeros, axis_names[self.num_in :])
-            self.bias = nnx.Param(bias_init(rngs.params(), out_shape, param_dtype))
-        else:
-            self.bias = nnx.data(None)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the projection in ``dtype``."""
-        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
-        y = jax.lax.dot_general(
-            x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ()))
-        )
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
+from models.nnx_layers import DenseGeneral, Embed, apply_layers, make_layers
 
 
 class LayerNorm(nnx.Module):
@@ -91,34 +39,6 @@ class LayerNorm(nnx.Module):
         y = centered * jax.lax.rsqrt(variance + self.eps)
         y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
-
-
-class Embed(nnx.Module):
-    """A learned embedding table ``[num_embeddings, features]``."""
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        features: int,
-        axis_names: tuple[str, str],
-        *,
-        dtype: Any,
-        param_dtype: Any,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.dtype = dtype
-        init = nnx.with_partitioning(EMBED_INIT, axis_names)
-        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """Look up ``ids`` and return the rows in ``dtype``."""
-        return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""
-        return jnp.einsum(
-            "bsd,vd->bsv", x.astype(self.dtype), self.embedding[...].astype(self.dtype)
-        )
 
 
 class Attention(nnx.Module):
@@ -210,17 +130,6 @@ class Block(nnx.Module):
         return x + h
 
 
-def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
-    """Create ``num_layers`` blocks stacked on a leading axis named ``layers``."""
-
-    @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs: nnx.Rngs) -> Block:
-        return Block(config, rngs=rngs)
-
-    return create(rngs)
-
-
 class Gpt3(nnx.Module):
     """GPT-3-style decoder returning logits ``[batch, seq, vocab]`` in ``config.dtype``.
 
@@ -247,11 +156,7 @@ class Gpt3(nnx.Module):
             param_dtype=cfg.param_dtype,
             rngs=rngs,
         )
-        self.layers: Block | nnx.List[Block]
-        if cfg.scan_layers:
-            self.layers = _stacked_blocks(cfg, rngs)
-        else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = make_layers(Block, cfg, rngs)
         self.final_norm = LayerNorm(
             cfg.d_model,
             eps=cfg.norm_eps,
@@ -269,33 +174,10 @@ class Gpt3(nnx.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """Run the decoder on ``tokens`` ``[batch, seq]``."""
-        cfg = self.config
         x = self.token_embed(tokens) + self.pos_embed(positions)
         mask = common.attention_mask(segment_ids)
-
-        def apply_block(block: Block, x: jax.Array, mask: jax.Array) -> jax.Array:
-            return block(x, mask, deterministic=deterministic)
-
-        if cfg.remat:
-            apply_block = nnx.remat(apply_block, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-
-            def body(x: jax.Array, block: Block, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-                x = apply_block(block, x, mask)
-                return x, x
-
-            scan = nnx.scan(
-                body,
-                in_axes=(nnx.Carry, 0, None),
-                out_axes=(nnx.Carry, 0),
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            x, hidden_states = scan(x, self.layers, mask)
-        else:
-            outputs = []
-            for block in self.layers:
-                x = apply_block(block, x, mask)
-                outputs.append(x)
-            hidden_states = jnp.stack(outputs)
+        x, hidden_states = apply_layers(
+            self.layers, self.config, x, mask, deterministic=deterministic
+        )
         self.sow(nnx.Intermediate, "hidden_states", hidden_states)
         return self.token_embed.attend(self.final_norm(x))

@@ -15,47 +15,7 @@ from flax import linen as nn
 
 from models import common
 from models.config import TransformerConfig
-
-EMBED_INIT = nn.initializers.normal(stddev=0.02)
-
-
-def kernel_init(num_in: int, num_out: int) -> nn.initializers.Initializer:
-    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
-    return nn.initializers.variance_scaling(
-        1.0,
-        "fan_in",
-        "truncated_normal",
-        in_axis=tuple(range(num_in)),
-        out_axis=tuple(range(num_in, num_in + num_out)),
-    )
-
-
-class DenseGeneral(nn.Module):
-    """Contract the trailing ``len(in_shape)`` input axes with a bias-free kernel.
-
-    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``.
-    """
-
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    dtype: Any
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the projection in ``dtype``."""
-        num_in, num_out = len(self.in_shape), len(self.out_shape)
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
-            self.in_shape + self.out_shape,
-            self.param_dtype,
-        )
-        contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-        return jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
-        )
+from models.linen_layers import DenseGeneral, Embed, apply_layers
 
 
 class RMSNorm(nn.Module):
@@ -77,26 +37,6 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return (y * scale.astype(jnp.float32)).astype(self.dtype)
-
-
-class Embed(nn.Module):
-    """A learned token embedding table ``[vocab, embed]``."""
-
-    num_embeddings: int
-    features: int
-    dtype: Any
-    param_dtype: Any
-
-    @nn.compact
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """Look up ``ids`` and return the rows in ``dtype``."""
-        embedding = self.param(
-            "embedding",
-            nn.with_logical_partitioning(EMBED_INIT, ("vocab", "embed")),
-            (self.num_embeddings, self.features),
-            self.param_dtype,
-        )
-        return jnp.take(embedding.astype(self.dtype), ids, axis=0)
 
 
 class Attention(nn.Module):
@@ -196,32 +136,14 @@ class Llama(nn.Module):
         x = Embed(
             cfg.vocab_size,
             cfg.d_model,
+            ("vocab", "embed"),
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             name="token_embed",
         )(tokens)
         mask = common.attention_mask(segment_ids)
 
-        block_cls: Any = Block
-        if cfg.remat:
-            # Argument 4 (counting self) is `deterministic`, a Python bool.
-            block_cls = nn.remat(Block, static_argnums=(4,), prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-            stack = nn.scan(
-                block_cls,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=cfg.num_layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
-            x, hidden_states = stack(x, positions, mask, deterministic)
-        else:
-            outputs = []
-            for i in range(cfg.num_layers):
-                x, _ = block_cls(cfg, name=f"layers_{i}")(x, positions, mask, deterministic)
-                outputs.append(x)
-            hidden_states = jnp.stack(outputs)
+        x, hidden_states = apply_layers(Block, cfg, x, positions, mask, deterministic=deterministic)
         self.sow("intermediates", "hidden_states", hidden_states)
 
         x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)

@@ -15,48 +15,7 @@ from flax import nnx
 
 from models import common
 from models.config import TransformerConfig
-
-EMBED_INIT = nnx.initializers.normal(stddev=0.02)
-
-
-def kernel_init(num_in: int, num_out: int) -> nnx.Initializer:
-    """LeCun-normal init for a kernel whose first ``num_in`` axes are its fan-in."""
-    return nnx.initializers.variance_scaling(
-        1.0,
-        "fan_in",
-        "truncated_normal",
-        in_axis=tuple(range(num_in)),
-        out_axis=tuple(range(num_in, num_in + num_out)),
-    )
-
-
-class DenseGeneral(nnx.Module):
-    """Contract the trailing ``len(in_shape)`` input axes with a bias-free kernel.
-
-    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``.
-    """
-
-    def __init__(
-        self,
-        in_shape: tuple[int, ...],
-        out_shape: tuple[int, ...],
-        axis_names: tuple[str, ...],
-        *,
-        dtype: Any,
-        param_dtype: Any,
-        rngs: nnx.Rngs,
-    ) -> None:
-        self.num_in = len(in_shape)
-        self.dtype = dtype
-        init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
-        self.kernel = nnx.Param(init(rngs.params(), in_shape + out_shape, param_dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the projection in ``dtype``."""
-        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
-        return jax.lax.dot_general(
-            x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ()))
-        )
+from models.nnx_layers import DenseGeneral, Embed, apply_layers, make_layers
 
 
 class RMSNorm(nnx.Module):
@@ -75,21 +34,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
         return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
-
-
-class Embed(nnx.Module):
-    """A learned token embedding table ``[vocab, embed]``."""
-
-    def __init__(
-        self, num_embeddings: int, features: int, *, dtype: Any, param_dtype: Any, rngs: nnx.Rngs
-    ) -> None:
-        self.dtype = dtype
-        init = nnx.with_partitioning(EMBED_INIT, ("vocab", "embed"))
-        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """Look up ``ids`` and return the rows in ``dtype``."""
-        return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
 
 
 class Attention(nnx.Module):
@@ -160,17 +104,6 @@ class Block(nnx.Module):
         return x + h
 
 
-def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
-    """Create ``num_layers`` blocks stacked on a leading axis named ``layers``."""
-
-    @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def create(rngs: nnx.Rngs) -> Block:
-        return Block(config, rngs=rngs)
-
-    return create(rngs)
-
-
 class Llama(nnx.Module):
     """Llama-style decoder returning logits ``[batch, seq, vocab]`` in ``config.dtype``.
 
@@ -182,13 +115,14 @@ class Llama(nnx.Module):
         cfg = config
         self.config = cfg
         self.token_embed = Embed(
-            cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+            cfg.vocab_size,
+            cfg.d_model,
+            ("vocab", "embed"),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            rngs=rngs,
         )
-        self.layers: Block | nnx.List[Block]
-        if cfg.scan_layers:
-            self.layers = _stacked_blocks(cfg, rngs)
-        else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = make_layers(Block, cfg, rngs)
         self.final_norm = RMSNorm(
             cfg.d_model,
             eps=cfg.norm_eps,
@@ -214,37 +148,10 @@ class Llama(nnx.Module):
         deterministic: bool = True,
     ) -> jax.Array:
         """Run the decoder on ``tokens`` ``[batch, seq]``."""
-        cfg = self.config
         x = self.token_embed(tokens)
         mask = common.attention_mask(segment_ids)
-
-        def apply_block(
-            block: Block, x: jax.Array, positions: jax.Array, mask: jax.Array
-        ) -> jax.Array:
-            return block(x, positions, mask, deterministic=deterministic)
-
-        if cfg.remat:
-            apply_block = nnx.remat(apply_block, prevent_cse=not cfg.scan_layers)
-        if cfg.scan_layers:
-
-            def body(
-                x: jax.Array, block: Block, positions: jax.Array, mask: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
-                x = apply_block(block, x, positions, mask)
-                return x, x
-
-            scan = nnx.scan(
-                body,
-                in_axes=(nnx.Carry, 0, None, None),
-                out_axes=(nnx.Carry, 0),
-                transform_metadata={nnx.PARTITION_NAME: "layers"},
-            )
-            x, hidden_states = scan(x, self.layers, positions, mask)
-        else:
-            outputs = []
-            for block in self.layers:
-                x = apply_block(block, x, positions, mask)
-                outputs.append(x)
-            hidden_states = jnp.stack(outputs)
+        x, hidden_states = apply_layers(
+            self.layers, self.config, x, positions, mask, deterministic=deterministic
+        )
         self.sow(nnx.Intermediate, "hidden_states", hidden_states)
         return self.lm_head(self.final_norm(x))

@@ -1,0 +1,119 @@
+"""Parameter-owning building blocks shared by the Linen implementations of every family.
+
+Their NNX counterparts live in :mod:`models.nnx_layers`: each backend names, annotates
+and initialises its own parameters, so the two are written separately.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from models.common import EMBED_INIT, kernel_init
+from models.config import TransformerConfig
+
+
+class DenseGeneral(nn.Module):
+    """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus an optional bias.
+
+    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
+    bias (if ``use_bias``) is ``out_shape`` with the trailing names.
+    """
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    dtype: Any
+    param_dtype: Any
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the projection in ``dtype``."""
+        num_in, num_out = len(self.in_shape), len(self.out_shape)
+        kernel = self.param(
+            "kernel",
+            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
+            self.in_shape + self.out_shape,
+            self.param_dtype,
+        )
+        contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
+        )
+        if self.use_bias:
+            bias = self.param(
+                "bias",
+                nn.with_logical_partitioning(nn.initializers.zeros, self.axis_names[num_in:]),
+                self.out_shape,
+                self.param_dtype,
+            )
+            y = y + bias.astype(self.dtype)
+        return y
+
+
+class Embed(nn.Module):
+    """A learned embedding table ``[num_embeddings, features]``."""
+
+    num_embeddings: int
+    features: int
+    axis_names: tuple[str, str]
+    dtype: Any
+    param_dtype: Any
+
+    def setup(self) -> None:
+        """Create the table."""
+        self.embedding = self.param(
+            "embedding",
+            nn.with_logical_partitioning(EMBED_INIT, self.axis_names),
+            (self.num_embeddings, self.features),
+            self.param_dtype,
+        )
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Look up ``ids`` and return the rows in ``dtype``."""
+        return jnp.take(self.embedding.astype(self.dtype), ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""
+        return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), self.embedding.astype(self.dtype))
+
+
+def apply_layers(
+    block: type[nn.Module],
+    config: TransformerConfig,
+    x: jax.Array,
+    *args: jax.Array,
+    deterministic: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Run ``config.num_layers`` blocks over ``x`` inside the calling compact module.
+
+    Each block is ``block(config)`` called as ``(x, *args, deterministic)`` and returns
+    ``(x, x)``. Scanned, the blocks are one ``nn.scan`` named ``layers`` whose
+    parameters are stacked on a leading axis named ``layers``; otherwise they are
+    ``layers_0``, ``layers_1``, ... Returns the final ``x`` and the block outputs stacked
+    ``[num_layers, *x.shape]``.
+    """
+    block_cls: Any = block
+    if config.remat:
+        # Counting self, `deterministic` (a Python bool) comes after x and args.
+        static = (len(args) + 2,)
+        block_cls = nn.remat(block, static_argnums=static, prevent_cse=not config.scan_layers)
+    if config.scan_layers:
+        stack = nn.scan(
+            block_cls,
+            variable_axes={"params": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast,) * (len(args) + 1),
+            length=config.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(config, name="layers")
+        return stack(x, *args, deterministic)
+    outputs = []
+    for i in range(config.num_layers):
+        x, _ = block_cls(config, name=f"layers_{i}")(x, *args, deterministic)
+        outputs.append(x)
+    return x, jnp.stack(outputs)

@@ -1,0 +1,143 @@
+"""Parameter-owning building blocks shared by the NNX implementations of every family.
+
+Their Linen counterparts live in :mod:`models.linen_layers`: each backend names,
+annotates and initialises its own parameters, so the two are written separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.common import EMBED_INIT, kernel_init
+from models.config import TransformerConfig
+
+
+class DenseGeneral(nnx.Module):
+    """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus an optional bias.
+
+    The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
+    bias (if ``use_bias``) is ``out_shape`` with the trailing names, else ``None``.
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        axis_names: tuple[str, ...],
+        *,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+        use_bias: bool = False,
+    ) -> None:
+        self.num_in = len(in_shape)
+        self.dtype = dtype
+        init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
+        self.kernel = nnx.Param(init(rngs.params(), in_shape + out_shape, param_dtype))
+        self.bias: nnx.Param | None
+        if use_bias:
+            bias_init = nnx.with_partitioning(nnx.initializers.zeros, axis_names[self.num_in :])
+            self.bias = nnx.Param(bias_init(rngs.params(), out_shape, param_dtype))
+        else:
+            self.bias = nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Apply the projection in ``dtype``."""
+        contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ()))
+        )
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """A learned embedding table ``[num_embeddings, features]``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        axis_names: tuple[str, str],
+        *,
+        dtype: Any,
+        param_dtype: Any,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.dtype = dtype
+        init = nnx.with_partitioning(EMBED_INIT, axis_names)
+        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """Look up ``ids`` and return the rows in ``dtype``."""
+        return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""
+        return jnp.einsum(
+            "bsd,vd->bsv", x.astype(self.dtype), self.embedding[...].astype(self.dtype)
+        )
+
+
+def make_layers[B: nnx.Module](
+    block: Callable[..., B], config: TransformerConfig, rngs: nnx.Rngs
+) -> B | nnx.List[B]:
+    """Create ``config.num_layers`` blocks, each ``block(config, rngs=rngs)``.
+
+    Scanned, they are one block whose parameters are stacked on a leading axis named
+    ``layers``; otherwise an ``nnx.List`` of blocks.
+    """
+    if not config.scan_layers:
+        return nnx.List([block(config, rngs=rngs) for _ in range(config.num_layers)])
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs: nnx.Rngs) -> B:
+        return block(config, rngs=rngs)
+
+    return create(rngs)
+
+
+def apply_layers[B: nnx.Module](
+    layers: B | nnx.List[B],
+    config: TransformerConfig,
+    x: jax.Array,
+    *args: jax.Array,
+    deterministic: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """Run ``x`` through the blocks made by :func:`make_layers`.
+
+    Each block is called as ``block(x, *args, deterministic=deterministic)`` and
+    returns the new ``x``. Returns the final ``x`` and the block outputs stacked
+    ``[num_layers, *x.shape]``.
+    """
+
+    def apply_block(block: B, x: jax.Array, *args: jax.Array) -> jax.Array:
+        return block(x, *args, deterministic=deterministic)
+
+    if config.remat:
+        apply_block = nnx.remat(apply_block, prevent_cse=not config.scan_layers)
+    if config.scan_layers:
+
+        def body(x: jax.Array, block: B, *args: jax.Array) -> tuple[jax.Array, jax.Array]:
+            x = apply_block(block, x, *args)
+            return x, x
+
+        scan = nnx.scan(
+            body,
+            in_axes=(nnx.Carry, 0) + (None,) * len(args),
+            out_axes=(nnx.Carry, 0),
+            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        )
+        return scan(x, layers, *args)
+    outputs = []
+    for block in layers:
+        x = apply_block(block, x, *args)
+        outputs.append(x)
+    return x, jnp.stack(outputs)

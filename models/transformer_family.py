@@ -1,0 +1,63 @@
+"""The plumbing shared by the built-in decoder families."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
+from models.common import LOGICAL_AXIS_RULES
+from models.config import TransformerConfig
+from models.data import make_batch
+
+
+class TransformerFamily(Family):
+    """A decoder family built from a :class:`TransformerConfig` per size.
+
+    A subclass names itself and sets ``sizes``, ``base_configs`` (the config of each
+    size) and the Linen and NNX decoder classes, each built from a config.
+    """
+
+    capabilities = Capabilities(scan_layers=(False, True))
+    base_configs: ClassVar[Mapping[str, TransformerConfig]]
+    """Base config per size; :meth:`config` sets the layout and dtype."""
+    linen_decoder: ClassVar[type[nn.Module]]
+    nnx_decoder: ClassVar[type[nnx.Module]]
+
+    def config(
+        self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32
+    ) -> TransformerConfig:
+        """Return the config of ``size`` with the given layer layout and dtype."""
+        if size not in self.base_configs:
+            raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
+        return dataclasses.replace(self.base_configs[size], scan_layers=scan_layers, dtype=dtype)
+
+    def linen_module(self, config: TransformerConfig) -> nn.Module:
+        """Return the Linen decoder."""
+        return self.linen_decoder(config)
+
+    def nnx_module(self, config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+        """Return the NNX decoder initialised from ``rngs``."""
+        return self.nnx_decoder(config, rngs=rngs)
+
+    def batch(self, config: TransformerConfig, batch_size: int, seed: int = 0) -> Batch:
+        """Return a padded batch of ``config.max_seq_len`` tokens per row."""
+        return make_batch(config.vocab_size, config.max_seq_len, batch_size, seed)
+
+    def path_rules(self, config: TransformerConfig) -> PathRules:
+        """Map Linen's ``layers_<i>/`` to NNX's ``layers/<i>/``; nothing when scanned."""
+        return () if config.scan_layers else ((r"^layers_(\d+)/", r"layers/\1/"),)
+
+    def layer_stack_rules(self, config: TransformerConfig) -> PathRules:
+        """Stack Linen's ``layers_<i>/`` leaves into the scanned ``layers/`` layout."""
+        del config
+        return ((r"^layers_(?P<layer>\d+)/", "layers/"),)
+
+    def logical_axis_rules(self) -> LogicalRules:
+        """Return :data:`models.common.LOGICAL_AXIS_RULES`."""
+        return LOGICAL_AXIS_RULES
