@@ -24,6 +24,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("norm", None),
     ("position", None),
+    ("cache_length", None),
 )
 """Logical-axis rules shared by every built-in family, first match wins."""
 
@@ -100,3 +101,53 @@ def dot_product_attention(
     logits = jnp.where(mask, logits, _MASK_VALUE)
     weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+MODES = ("forward", "prefill", "decode")
+"""Call-time modes of every decoder: a full forward, a prompt prefill, one decode step."""
+
+CACHE_AXES = ("batch", "cache_length", "kv_heads", "head_dim")
+"""Logical axis names of a cached key or value ``[batch, max_seq_len, kv_heads, head_dim]``."""
+
+
+def check_mode(mode: str) -> None:
+    """Raise ``ValueError`` unless ``mode`` is one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+def prefill_cache(
+    cached: tuple[jax.Array, jax.Array], k: jax.Array, v: jax.Array, segment_ids: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Write a right-padded prompt's keys and values into slots ``[0, prompt_len)``.
+
+    Returns the new cached key and value, each row's next free slot (its number of real
+    tokens) and the prompt's own attention mask: prefill attends exactly like a forward.
+    """
+    cached_k, cached_v = cached
+    if k.shape[1] > cached_k.shape[1]:
+        raise ValueError(f"prompt of {k.shape[1]} tokens exceeds the cache's {cached_k.shape[1]}")
+    new_k = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), (0, 0, 0, 0))
+    new_v = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), (0, 0, 0, 0))
+    index = jnp.sum(segment_ids != 0, axis=-1, dtype=jnp.int32)
+    return new_k, new_v, index, attention_mask(segment_ids)
+
+
+def decode_cache(
+    cached: tuple[jax.Array, jax.Array], index: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Write one token's key and value at each row's own slot ``index[row]``.
+
+    ``k`` and ``v`` are ``[batch, 1, kv_heads, head_dim]``. Returns the new cached key
+    and value, the advanced index and the mask ``[batch, 1, 1, max_seq_len]`` that lets
+    the token attend to every slot up to and including its own.
+    """
+    cached_k, cached_v = cached
+
+    def write(cache: jax.Array, new: jax.Array) -> jax.Array:
+        row_write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 0))
+        return row_write(cache, new.astype(cache.dtype), index)
+
+    slots = jnp.arange(cached_k.shape[1], dtype=jnp.int32)
+    mask = (slots[None, :] <= index[:, None])[:, None, None, :]
+    return write(cached_k, k), write(cached_v, v), index + 1, mask

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from models import common
 from models.common import EMBED_INIT, kernel_init
 from models.config import TransformerConfig
 
@@ -82,38 +83,84 @@ class Embed(nn.Module):
         return jnp.einsum("bsd,vd->bsv", x.astype(self.dtype), self.embedding.astype(self.dtype))
 
 
+class KVCache(nn.Module):
+    """Keys and values of past positions for one attention layer (collection ``cache``).
+
+    Holds ``key`` and ``value`` ``[batch, max_seq_len, kv_heads, head_dim]`` and each
+    row's next free slot ``index`` ``[batch]``. Called with the layer's new keys and
+    values, it returns the keys, values and mask to attend with: in ``forward`` mode
+    the inputs themselves; in ``prefill`` and ``decode`` it writes them (see
+    :func:`models.common.prefill_cache` and :func:`models.common.decode_cache`). As in
+    Flax's own attention, the variables are created zero on first use and written only
+    once they exist, so ``init`` in ``prefill`` mode yields an empty cache.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(
+        self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, mode: str
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Return ``(keys, values, mask)`` for ``mode``, writing the cache when serving."""
+        common.check_mode(mode)
+        if mode == "forward":
+            return k, v, common.attention_mask(segment_ids)
+        cfg = self.config
+        exists = self.has_variable("cache", "key")
+        shape = (k.shape[0], cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = nn.with_logical_partitioning(jnp.zeros, common.CACHE_AXES)
+        key = self.variable("cache", "key", zeros, shape, cfg.dtype)
+        value = self.variable("cache", "value", zeros, shape, cfg.dtype)
+        index_init = nn.with_logical_partitioning(jnp.zeros, ("batch",))
+        index = self.variable("cache", "index", index_init, (k.shape[0],), jnp.int32)
+        if mode == "prefill":
+            new_k, new_v, new_index, mask = common.prefill_cache(
+                (key.value, value.value), k, v, segment_ids
+            )
+            keys, values = k, v
+        else:
+            new_k, new_v, new_index, mask = common.decode_cache(
+                (key.value, value.value), index.value, k, v
+            )
+            keys, values = new_k, new_v
+        if exists:
+            key.value, value.value, index.value = new_k, new_v, new_index
+        return keys, values, mask
+
+
 def apply_layers(
     block: type[nn.Module],
     config: TransformerConfig,
     x: jax.Array,
     *args: jax.Array,
     deterministic: bool,
+    mode: str,
 ) -> tuple[jax.Array, jax.Array]:
     """Run ``config.num_layers`` blocks over ``x`` inside the calling compact module.
 
-    Each block is ``block(config)`` called as ``(x, *args, deterministic)`` and returns
-    ``(x, x)``. Scanned, the blocks are one ``nn.scan`` named ``layers`` whose
-    parameters are stacked on a leading axis named ``layers``; otherwise they are
-    ``layers_0``, ``layers_1``, ... Returns the final ``x`` and the block outputs stacked
-    ``[num_layers, *x.shape]``.
+    Each block is ``block(config)`` called as ``(x, *args, deterministic, mode)`` and
+    returns ``(x, x)``. Scanned, the blocks are one ``nn.scan`` named ``layers`` whose
+    parameters and cache are stacked on a leading axis named ``layers``; otherwise they
+    are ``layers_0``, ``layers_1``, ... Returns the final ``x`` and the block outputs
+    stacked ``[num_layers, *x.shape]``.
     """
     block_cls: Any = block
     if config.remat:
-        # Counting self, `deterministic` (a Python bool) comes after x and args.
-        static = (len(args) + 2,)
+        # Counting self, `deterministic` and `mode` (Python values) come after x and args.
+        static = (len(args) + 2, len(args) + 3)
         block_cls = nn.remat(block, static_argnums=static, prevent_cse=not config.scan_layers)
     if config.scan_layers:
         stack = nn.scan(
             block_cls,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, "cache": 0},
             split_rngs={"params": True, "dropout": True},
-            in_axes=(nn.broadcast,) * (len(args) + 1),
+            in_axes=(nn.broadcast,) * (len(args) + 2),
             length=config.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(config, name="layers")
-        return stack(x, *args, deterministic)
+        return stack(x, *args, deterministic, mode)
     outputs = []
     for i in range(config.num_layers):
-        x, _ = block_cls(config, name=f"layers_{i}")(x, *args, deterministic)
+        x, _ = block_cls(config, name=f"layers_{i}")(x, *args, deterministic, mode)
         outputs.append(x)
     return x, jnp.stack(outputs)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import common
 from models.common import EMBED_INIT, kernel_init
 from models.config import TransformerConfig
 
@@ -85,6 +86,67 @@ class Embed(nnx.Module):
         )
 
 
+class KVCache(nnx.Module):
+    """Keys and values of past positions for one attention layer, as ``nnx.Cache``.
+
+    Holds ``key`` and ``value`` ``[batch, max_seq_len, kv_heads, head_dim]`` and each
+    row's next free slot ``index`` ``[batch]``, all ``None`` until :meth:`init`. Called
+    with the layer's new keys and values, it returns the keys, values and mask to
+    attend with: in ``forward`` mode the inputs themselves; in ``prefill`` and
+    ``decode`` it writes them (see :func:`models.common.prefill_cache` and
+    :func:`models.common.decode_cache`).
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        self.config = config
+        self.key: nnx.Cache | None = nnx.data(None)
+        self.value: nnx.Cache | None = nnx.data(None)
+        self.index: nnx.Cache | None = nnx.data(None)
+
+    def init(self, batch_size: int, stacked: int | None = None) -> None:
+        """Create an empty cache for ``batch_size`` rows.
+
+        With ``stacked`` (the layer count of a scanned stack), every variable gets a
+        leading axis of that size, logically named ``layers``.
+        """
+        cfg = self.config
+        lead, lead_names = ((stacked,), ("layers",)) if stacked is not None else ((), ())
+        shape = (*lead, batch_size, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+        names = (*lead_names, *common.CACHE_AXES)
+        self.key = nnx.Cache(jnp.zeros(shape, cfg.dtype), out_sharding=names)
+        self.value = nnx.Cache(jnp.zeros(shape, cfg.dtype), out_sharding=names)
+        self.index = nnx.Cache(
+            jnp.zeros((*lead, batch_size), jnp.int32), out_sharding=(*lead_names, "batch")
+        )
+
+    def __call__(
+        self, k: jax.Array, v: jax.Array, segment_ids: jax.Array, mode: str
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Return ``(keys, values, mask)`` for ``mode``, writing the cache when serving."""
+        common.check_mode(mode)
+        if mode == "forward":
+            return k, v, common.attention_mask(segment_ids)
+        if self.key is None or self.value is None or self.index is None:
+            raise ValueError(f"mode {mode!r} needs a cache: call the model's init_cache() first")
+        cached = (self.key[...], self.value[...])
+        if mode == "prefill":
+            new_k, new_v, new_index, mask = common.prefill_cache(cached, k, v, segment_ids)
+            keys, values = k, v
+        else:
+            new_k, new_v, new_index, mask = common.decode_cache(cached, self.index[...], k, v)
+            keys, values = new_k, new_v
+        self.key[...], self.value[...], self.index[...] = new_k, new_v, new_index
+        return keys, values, mask
+
+
+def init_caches(layers: nnx.Module, config: TransformerConfig, batch_size: int) -> None:
+    """Create an empty cache in every :class:`KVCache` of the blocks made by :func:`make_layers`."""
+    stacked = config.num_layers if config.scan_layers else None
+    for _, node in nnx.iter_graph(layers):
+        if isinstance(node, KVCache):
+            node.init(batch_size, stacked)
+
+
 def make_layers[B: nnx.Module](
     block: Callable[..., B], config: TransformerConfig, rngs: nnx.Rngs
 ) -> B | nnx.List[B]:
@@ -110,16 +172,17 @@ def apply_layers[B: nnx.Module](
     x: jax.Array,
     *args: jax.Array,
     deterministic: bool,
+    mode: str,
 ) -> tuple[jax.Array, jax.Array]:
     """Run ``x`` through the blocks made by :func:`make_layers`.
 
-    Each block is called as ``block(x, *args, deterministic=deterministic)`` and
-    returns the new ``x``. Returns the final ``x`` and the block outputs stacked
+    Each block is called as ``block(x, *args, deterministic=deterministic, mode=mode)``
+    and returns the new ``x``. Returns the final ``x`` and the block outputs stacked
     ``[num_layers, *x.shape]``.
     """
 
     def apply_block(block: B, x: jax.Array, *args: jax.Array) -> jax.Array:
-        return block(x, *args, deterministic=deterministic)
+        return block(x, *args, deterministic=deterministic, mode=mode)
 
     if config.remat:
         apply_block = nnx.remat(apply_block, prevent_cse=not config.scan_layers)

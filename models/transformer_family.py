@@ -23,7 +23,7 @@ class TransformerFamily(Family):
     size) and the Linen and NNX decoder classes, each built from a config.
     """
 
-    capabilities = Capabilities(scan_layers=(False, True))
+    capabilities = Capabilities(scan_layers=(False, True), decode=True)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]

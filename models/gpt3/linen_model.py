@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from models import common
 from models.config import TransformerConfig
-from models.linen_layers import DenseGeneral, Embed, apply_layers
+from models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
 
 
 class LayerNorm(nn.Module):
@@ -55,8 +55,8 @@ class Attention(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, mode: str) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         cfg = self.config
         qkv = DenseGeneral(
             (cfg.d_model,),
@@ -68,6 +68,7 @@ class Attention(nn.Module):
             name="qkv",
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        k, v, mask = KVCache(cfg, name="kv_cache")(k, v, segment_ids, mode)
         out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
         return DenseGeneral(
             (cfg.num_heads, cfg.head_dim),
@@ -120,13 +121,13 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, mask: jax.Array, deterministic: bool
+        self, x: jax.Array, segment_ids: jax.Array, deterministic: bool, mode: str
     ) -> tuple[jax.Array, jax.Array]:
         """Apply attention and MLP with residuals; dropout only when not deterministic."""
         cfg = self.config
         norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
         h = LayerNorm(**norm, name="pre_attn_norm")(x)
-        h = Attention(cfg, name="attn")(h, mask)
+        h = Attention(cfg, name="attn")(h, segment_ids, mode)
         if cfg.dropout_rate > 0:
             h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         x = x + h
@@ -155,8 +156,14 @@ class Gpt3(nn.Module):
         segment_ids: jax.Array,
         *,
         deterministic: bool = True,
+        mode: str = "forward",
     ) -> jax.Array:
-        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
+
+        ``forward`` runs the whole sequence and sows ``hidden_states``; ``prefill``
+        does the same for a right-padded prompt and fills the cache; ``decode`` runs one
+        token per row at ``positions`` against the cache.
+        """
         cfg = self.config
         token_embed = Embed(
             cfg.vocab_size,
@@ -175,10 +182,11 @@ class Gpt3(nn.Module):
             name="pos_embed",
         )
         x = token_embed(tokens) + pos_embed(positions)
-        mask = common.attention_mask(segment_ids)
-
-        x, hidden_states = apply_layers(Block, cfg, x, mask, deterministic=deterministic)
-        self.sow("intermediates", "hidden_states", hidden_states)
+        x, hidden_states = apply_layers(
+            Block, cfg, x, segment_ids, deterministic=deterministic, mode=mode
+        )
+        if mode == "forward":
+            self.sow("intermediates", "hidden_states", hidden_states)
 
         x = LayerNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
         return token_embed.attend(x)

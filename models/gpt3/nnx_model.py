@@ -15,7 +15,14 @@ from flax import nnx
 
 from models import common
 from models.config import TransformerConfig
-from models.nnx_layers import DenseGeneral, Embed, apply_layers, make_layers
+from models.nnx_layers import (
+    DenseGeneral,
+    Embed,
+    KVCache,
+    apply_layers,
+    init_caches,
+    make_layers,
+)
 
 
 class LayerNorm(nnx.Module):
@@ -56,6 +63,7 @@ class Attention(nnx.Module):
             param_dtype=cfg.param_dtype,
             rngs=rngs,
         )
+        self.kv_cache = KVCache(cfg)
         self.out = DenseGeneral(
             (cfg.num_heads, cfg.head_dim),
             (cfg.d_model,),
@@ -66,10 +74,11 @@ class Attention(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, mode: str) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         qkv = self.qkv(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        k, v, mask = self.kv_cache(k, v, segment_ids, mode)
         return self.out(common.dot_product_attention(q, k, v, mask, self.dtype))
 
 
@@ -118,9 +127,11 @@ class Block(nnx.Module):
         else:
             self.dropout = nnx.data(None)
 
-    def __call__(self, x: jax.Array, mask: jax.Array, *, deterministic: bool) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array, *, deterministic: bool, mode: str
+    ) -> jax.Array:
         """Apply attention and MLP with residuals; dropout only when not deterministic."""
-        h = self.attn(self.pre_attn_norm(x), mask)
+        h = self.attn(self.pre_attn_norm(x), segment_ids, mode)
         if self.dropout is not None:
             h = self.dropout(h, deterministic=deterministic)
         x = x + h
@@ -165,6 +176,10 @@ class Gpt3(nnx.Module):
             rngs=rngs,
         )
 
+    def init_cache(self, batch_size: int) -> None:
+        """Create an empty KV cache for ``batch_size`` rows in every attention layer."""
+        init_caches(self.layers, self.config, batch_size)
+
     def __call__(
         self,
         tokens: jax.Array,
@@ -172,12 +187,19 @@ class Gpt3(nnx.Module):
         segment_ids: jax.Array,
         *,
         deterministic: bool = True,
+        mode: str = "forward",
     ) -> jax.Array:
-        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
+
+        ``forward`` runs the whole sequence and sows ``hidden_states``; ``prefill``
+        does the same for a right-padded prompt and fills the cache; ``decode`` runs one
+        token per row at ``positions`` against the cache. Serving needs
+        :meth:`init_cache` first.
+        """
         x = self.token_embed(tokens) + self.pos_embed(positions)
-        mask = common.attention_mask(segment_ids)
         x, hidden_states = apply_layers(
-            self.layers, self.config, x, mask, deterministic=deterministic
+            self.layers, self.config, x, segment_ids, deterministic=deterministic, mode=mode
         )
-        self.sow(nnx.Intermediate, "hidden_states", hidden_states)
+        if mode == "forward":
+            self.sow(nnx.Intermediate, "hidden_states", hidden_states)
         return self.token_embed.attend(self.final_norm(x))

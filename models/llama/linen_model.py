@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from models import common
 from models.config import TransformerConfig
-from models.linen_layers import DenseGeneral, Embed, apply_layers
+from models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +45,10 @@ class Attention(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, mode: str
+    ) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         cfg = self.config
         dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
         q_shape = (cfg.num_heads, cfg.head_dim)
@@ -62,6 +64,7 @@ class Attention(nn.Module):
         )(x)
         q = common.apply_rope(q, positions, cfg.rope_base)
         k = common.apply_rope(k, positions, cfg.rope_base)
+        k, v, mask = KVCache(cfg, name="kv_cache")(k, v, segment_ids, mode)
         out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
         return DenseGeneral(
             q_shape, (cfg.d_model,), ("heads", "head_dim", "embed"), **dense, name="o"
@@ -95,13 +98,18 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array, deterministic: bool
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        deterministic: bool,
+        mode: str,
     ) -> tuple[jax.Array, jax.Array]:
         """Apply attention and MLP with residuals; dropout only when not deterministic."""
         cfg = self.config
         norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
         h = RMSNorm(**norm, name="attn_norm")(x)
-        h = Attention(cfg, name="attn")(h, positions, mask)
+        h = Attention(cfg, name="attn")(h, positions, segment_ids, mode)
         if cfg.dropout_rate > 0:
             h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         x = x + h
@@ -130,8 +138,14 @@ class Llama(nn.Module):
         segment_ids: jax.Array,
         *,
         deterministic: bool = True,
+        mode: str = "forward",
     ) -> jax.Array:
-        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
+
+        ``forward`` runs the whole sequence and sows ``hidden_states``; ``prefill``
+        does the same for a right-padded prompt and fills the cache; ``decode`` runs one
+        token per row at ``positions`` against the cache.
+        """
         cfg = self.config
         x = Embed(
             cfg.vocab_size,
@@ -141,10 +155,11 @@ class Llama(nn.Module):
             param_dtype=cfg.param_dtype,
             name="token_embed",
         )(tokens)
-        mask = common.attention_mask(segment_ids)
-
-        x, hidden_states = apply_layers(Block, cfg, x, positions, mask, deterministic=deterministic)
-        self.sow("intermediates", "hidden_states", hidden_states)
+        x, hidden_states = apply_layers(
+            Block, cfg, x, positions, segment_ids, deterministic=deterministic, mode=mode
+        )
+        if mode == "forward":
+            self.sow("intermediates", "hidden_states", hidden_states)
 
         x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
         return DenseGeneral(

@@ -15,7 +15,14 @@ from flax import nnx
 
 from models import common
 from models.config import TransformerConfig
-from models.nnx_layers import DenseGeneral, Embed, apply_layers, make_layers
+from models.nnx_layers import (
+    DenseGeneral,
+    Embed,
+    KVCache,
+    apply_layers,
+    init_caches,
+    make_layers,
+)
 
 
 class RMSNorm(nnx.Module):
@@ -49,13 +56,17 @@ class Attention(nnx.Module):
         self.q = DenseGeneral((cfg.d_model,), q_shape, ("embed", "heads", "head_dim"), **dense)
         self.k = DenseGeneral((cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense)
         self.v = DenseGeneral((cfg.d_model,), kv_shape, ("embed", "kv_heads", "head_dim"), **dense)
+        self.kv_cache = KVCache(cfg)
         self.o = DenseGeneral(q_shape, (cfg.d_model,), ("heads", "head_dim", "embed"), **dense)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-        """Attend over ``x`` ``[b, s, d_model]`` under the boolean ``mask``."""
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, mode: str
+    ) -> jax.Array:
+        """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         q = common.apply_rope(self.q(x), positions, self.rope_base)
         k = common.apply_rope(self.k(x), positions, self.rope_base)
-        out = common.dot_product_attention(q, k, self.v(x), mask, self.dtype)
+        k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
+        out = common.dot_product_attention(q, k, v, mask, self.dtype)
         return self.o(out)
 
 
@@ -91,10 +102,16 @@ class Block(nnx.Module):
             self.dropout = nnx.data(None)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, mask: jax.Array, *, deterministic: bool
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        deterministic: bool,
+        mode: str,
     ) -> jax.Array:
         """Apply attention and MLP with residuals; dropout only when not deterministic."""
-        h = self.attn(self.attn_norm(x), positions, mask)
+        h = self.attn(self.attn_norm(x), positions, segment_ids, mode)
         if self.dropout is not None:
             h = self.dropout(h, deterministic=deterministic)
         x = x + h
@@ -139,6 +156,10 @@ class Llama(nnx.Module):
             rngs=rngs,
         )
 
+    def init_cache(self, batch_size: int) -> None:
+        """Create an empty KV cache for ``batch_size`` rows in every attention layer."""
+        init_caches(self.layers, self.config, batch_size)
+
     def __call__(
         self,
         tokens: jax.Array,
@@ -146,12 +167,25 @@ class Llama(nnx.Module):
         segment_ids: jax.Array,
         *,
         deterministic: bool = True,
+        mode: str = "forward",
     ) -> jax.Array:
-        """Run the decoder on ``tokens`` ``[batch, seq]``."""
+        """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
+
+        ``forward`` runs the whole sequence and sows ``hidden_states``; ``prefill``
+        does the same for a right-padded prompt and fills the cache; ``decode`` runs one
+        token per row at ``positions`` against the cache. Serving needs
+        :meth:`init_cache` first.
+        """
         x = self.token_embed(tokens)
-        mask = common.attention_mask(segment_ids)
         x, hidden_states = apply_layers(
-            self.layers, self.config, x, positions, mask, deterministic=deterministic
+            self.layers,
+            self.config,
+            x,
+            positions,
+            segment_ids,
+            deterministic=deterministic,
+            mode=mode,
         )
-        self.sow(nnx.Intermediate, "hidden_states", hidden_states)
+        if mode == "forward":
+            self.sow(nnx.Intermediate, "hidden_states", hidden_states)
         return self.lm_head(self.final_norm(x))
