@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import jax
 import numpy as np
@@ -35,6 +35,7 @@ from conformance.sharding import (
 )
 from conformance.trees import (
     Flat,
+    LeafSpec,
     PathMapError,
     check_bijection,
     map_paths,
@@ -126,6 +127,41 @@ def check_sharding(
     check = "sharding"
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
+    linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
+    if devices is not None:
+        _check_placement(family, linen, linen_specs, devices, "Linen")
+        _check_placement(family, nnx_, nnx_specs, devices, "NNX")
+    return {
+        "mesh": dict(mesh.axes),
+        "leaves": {
+            dst: {
+                "logical": list(nnx_.logical[dst] or ()),
+                "spec": spec_to_json(nnx_specs[dst], len(nnx_.specs[dst].shape)),
+            }
+            for dst in sorted(nnx_specs)
+        },
+    }
+
+
+class Sharded(Protocol):
+    """One side's leaves: logical axis names and shapes, by path."""
+
+    logical: Mapping[str, Logical]
+    specs: Mapping[str, LeafSpec]
+
+
+def agreed_specs(
+    family: Family,
+    check: str,
+    linen: Sharded,
+    nnx_: Sharded,
+    mapping: Mapping[str, str],
+    mesh: MeshSpec,
+) -> tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]]:
+    """Both sides' resolved specs, failing unless they agree per leaf and split evenly.
+
+    Returns ``(Linen specs, NNX specs)``, each keyed by that side's paths.
+    """
     linen_specs = resolve_all(family, check, linen.logical, mesh)
     nnx_specs = resolve_all(family, check, nnx_.logical, mesh)
     problems = []
@@ -141,19 +177,7 @@ def check_sharding(
                 f"{nnx_specs[dst]} on mesh {mesh.id}: not divisible"
             )
     fail_if_any(family, check, f"{len(problems)} problem(s) on mesh {mesh.id}", problems)
-    if devices is not None:
-        _check_placement(family, linen, linen_specs, devices, "Linen")
-        _check_placement(family, nnx_, nnx_specs, devices, "NNX")
-    return {
-        "mesh": dict(mesh.axes),
-        "leaves": {
-            dst: {
-                "logical": list(nnx_.logical[dst] or ()),
-                "spec": spec_to_json(nnx_specs[dst], len(nnx_.specs[dst].shape)),
-            }
-            for dst in sorted(nnx_specs)
-        },
-    }
+    return linen_specs, nnx_specs
 
 
 def _check_placement(

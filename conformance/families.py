@@ -73,6 +73,13 @@ class Family(abc.ABC):
       mismatch can be traced to the first block that diverges.
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
       NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
+    * With ``Capabilities(decode=True)``, both sides also take a call-time keyword
+      ``mode``: ``"forward"`` (the default), ``"prefill"`` (a right-padded prompt, whose
+      keys and values fill the cache) or ``"decode"`` (one token per row, at the
+      positions given, against the cache). Linen keeps the cache in the ``cache``
+      collection, created empty by ``init(..., mode="prefill")``; NNX keeps it in
+      ``nnx.Cache`` variables created empty by ``model.init_cache(batch_size)``. Cache
+      leaves carry logical axis names and map between backends by :meth:`path_rules`.
     """
 
     name: str

@@ -62,6 +62,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Validate the options (a usage error lists valid values) and set up the session."""
     configure_host_platform()
     config.addinivalue_line("markers", "golden: the test compares against a golden file")
+    config.addinivalue_line(
+        "markers",
+        "capability(name): run only on families whose Capabilities declare it (else skip)",
+    )
     try:
         names = config.getoption("family") or list(registry.registry())
         config.stash[_FAMILIES] = [registry.get(name) for name in names]
@@ -101,11 +105,17 @@ def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> l
             return list(DTYPES.items())
 
 
-def _marks(family: registry.Family, case: dict[str, Any]) -> list[pytest.MarkDecorator]:
+def _marks(
+    family: registry.Family, case: dict[str, Any], needs: list[str]
+) -> list[pytest.MarkDecorator]:
     scan = case.get("scan_layers")
     if scan is not None and scan not in family.capabilities.scan_layers:
         layout = "scan_layers" if scan else "a layer list"
         return [pytest.mark.skip(reason=f"{family.name} does not support {layout}")]
+    missing = [name for name in needs if not getattr(family.capabilities, name)]
+    if missing:
+        declared = ", ".join(f"{name}=True" for name in missing)
+        return [pytest.mark.skip(reason=f"{family.name} does not declare Capabilities({declared})")]
     return []
 
 
@@ -114,13 +124,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "family" not in metafunc.fixturenames:
         return
     argnames = [a for a in AXES if a in metafunc.fixturenames]
+    needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
     params = []
     for family in metafunc.config.stash[_FAMILIES]:
         axes = [_axis_values(name, family, metafunc.config) for name in argnames]
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)
-            params.append(pytest.param(*case.values(), id=case_id, marks=_marks(family, case)))
+            params.append(
+                pytest.param(*case.values(), id=case_id, marks=_marks(family, case, needs))
+            )
     metafunc.parametrize(argnames, params)
 
 

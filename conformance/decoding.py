@@ -1,0 +1,294 @@
+"""Serving on both backends: an empty KV cache, a padded prompt's prefill, greedy decode.
+
+Both decoders speak flat ``{canonical path: array}`` dicts for parameters and cache, as
+the runners in :mod:`conformance.backends` do, and jit each mode once per cache sharding.
+:func:`generate` drives either one through the same loop, so a difference between the
+backends can only come from the models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from conformance.backends import linen_runner, nnx_runner
+from conformance.families import Batch, Family
+from conformance.sharding import Logical, linen_logical, nnx_logical
+from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, specs, unflatten
+
+CacheShardings = Mapping[str, NamedSharding]
+
+
+class DecodeError(RuntimeError):
+    """A family cannot serve: no cache, or a prompt that does not fit."""
+
+
+def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return batch.tokens, batch.positions, batch.segment_ids
+
+
+def _jitted(
+    cache: dict[Any, Any], fn: Callable[..., Any], shardings: CacheShardings | None, out: Any
+) -> Any:
+    """``jax.jit(fn)`` with ``out(shardings)`` as out_shardings, once per cache sharding."""
+    key = tuple(sorted(shardings.items())) if shardings else None
+    if key not in cache:
+        cache[key] = jax.jit(fn, out_shardings=out(unflatten(shardings)) if shardings else None)
+    return cache[key]
+
+
+class LinenDecoder:
+    """A Linen family served through its ``cache`` collection, for ``rows`` prompts."""
+
+    def __init__(self, family: Family, config: Any, rows: int) -> None:
+        self.family, self.config, self.rows = family, config, rows
+        self.module = linen_runner(family, config).module
+        example = _inputs(family.batch(config, rows))
+        init = functools.partial(self.module.init, mode="prefill")
+        boxed = jax.eval_shape(init, jax.random.key(0), *example).get("cache")
+        if not boxed:
+            raise DecodeError(
+                f"{family.name}: Linen init in mode='prefill' created no 'cache' collection"
+            )
+        self.logical: dict[str, Logical] = linen_logical(boxed)
+        self.specs: dict[str, LeafSpec] = specs(flatten(nn.meta.unbox(boxed)))
+        self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
+
+    def _init_impl(self, batch: Batch) -> Any:
+        variables = self.module.init(jax.random.key(0), *_inputs(batch), mode="prefill")
+        return nn.meta.unbox(variables["cache"])
+
+    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
+        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
+        fn = _jitted(self._fns["init"], self._init_impl, shardings, lambda s: s)
+        return flatten(fn(self.family.batch(self.config, self.rows)))
+
+    def _serve(self, params: Any, cache: Any, batch: Batch, *, mode: str) -> Any:
+        logits, mutated = self.module.apply(
+            {"params": params, "cache": cache}, *_inputs(batch), mode=mode, mutable=["cache"]
+        )
+        return logits, mutated["cache"]
+
+    def run(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> tuple[jax.Array, Flat]:
+        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
+        serve = functools.partial(self._serve, mode=mode)
+        fn = _jitted(self._fns[mode], serve, shardings, lambda s: (None, s))
+        logits, new_cache = fn(unflatten(params), unflatten(cache), batch)
+        return logits, flatten(new_cache)
+
+
+class NnxDecoder:
+    """An NNX family served through ``nnx.Cache`` variables, for ``rows`` prompts.
+
+    The model's ``init_cache(rows)`` creates the cache; non-parameter, non-cache state
+    (RNG streams) comes from :meth:`conformance.backends.NnxRunner.init`.
+    """
+
+    def __init__(self, family: Family, config: Any, rows: int) -> None:
+        self.family, self.config, self.rows = family, config, rows
+        self.runner = nnx_runner(family, config)
+        if not callable(getattr(nnx.eval_shape(lambda: self.runner.build(0)), "init_cache", None)):
+            raise DecodeError(f"{family.name}: the NNX module has no init_cache(batch_size)")
+        abstract = nnx.eval_shape(lambda: self._with_cache(0))
+        self.graphdef, _, cache, _ = nnx.split(abstract, nnx.Param, nnx.Cache, ...)
+        if not flatten_state(cache):
+            raise DecodeError(f"{family.name}: NNX init_cache({rows}) created no nnx.Cache")
+        self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(cache)}
+        self._abstract_vars = flatten_state(cache)
+        self.logical: dict[str, Logical] = nnx_logical(cache)
+        self.specs: dict[str, LeafSpec] = specs(self._abstract_vars)
+        self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
+
+    def _with_cache(self, seed: int) -> nnx.Module:
+        model = self.runner.build(seed)
+        with nnx.use_eager_sharding(False):
+            model.init_cache(self.rows)
+        return model
+
+    def _state(self, cache: Mapping[str, Any]) -> nnx.State:
+        return nnx.from_flat_state(
+            [(self._keys[p], self._abstract_vars[p].replace(v)) for p, v in cache.items()]
+        )
+
+    def _init_impl(self) -> nnx.State:
+        return nnx.state(self._with_cache(0), nnx.Cache)
+
+    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
+        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
+        fn = _jitted(
+            self._fns["init"], self._init_impl, shardings, lambda _: self._state(shardings)
+        )
+        return {path: var.get_value() for path, var in flatten_state(fn()).items()}
+
+    def _serve(
+        self, params: nnx.State, cache: nnx.State, rest: nnx.State, batch: Batch, *, mode: str
+    ) -> Any:
+        model = nnx.merge(self.graphdef, params, cache, rest)
+        logits = model(*_inputs(batch), mode=mode)
+        return logits, nnx.state(model, nnx.Cache)
+
+    def run(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> tuple[jax.Array, Flat]:
+        """Logits and the updated cache of one ``prefill`` or ``decode`` call.
+
+        Call :meth:`conformance.backends.NnxRunner.init` first for the RNG state.
+        """
+        if self.runner.rest is None:
+            raise RuntimeError("NnxDecoder.run needs NnxRunner.init() first for non-Param state")
+        serve = functools.partial(self._serve, mode=mode)
+        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, self._state(shardings)))
+        logits, new_cache = fn(
+            self.runner.state(params), self._state(cache), self.runner.rest, batch
+        )
+        return logits, {path: var.get_value() for path, var in flatten_state(new_cache).items()}
+
+
+@functools.cache
+def linen_decoder(family: Family, config: Any, rows: int) -> LinenDecoder:
+    """The cached Linen decoder for ``(family, config, rows)``."""
+    return LinenDecoder(family, config, rows)
+
+
+@functools.cache
+def nnx_decoder(family: Family, config: Any, rows: int) -> NnxDecoder:
+    """The cached NNX decoder for ``(family, config, rows)``."""
+    return NnxDecoder(family, config, rows)
+
+
+def prompt_batch(family: Family, config: Any, rows: int, steps: int) -> tuple[Batch, np.ndarray]:
+    """Right-padded prompts of different lengths, and each row's length.
+
+    Prompts are ``max_seq_len // 2`` slots wide; row ``i`` holds ``width - i`` real
+    tokens of the family's batch, so every row differs. Raises :class:`DecodeError`
+    unless every row has a token and room for ``steps`` more.
+    """
+    width = config.max_seq_len // 2
+    if rows > width or width + steps > config.max_seq_len:
+        raise DecodeError(
+            f"{family.name}: max_seq_len {config.max_seq_len} leaves no room for {rows} "
+            f"prompts of different lengths followed by {steps} decode steps"
+        )
+    lengths = width - np.arange(rows, dtype=np.int32)
+    source = family.batch(config, rows)
+    real = np.arange(width)[None, :] < lengths[:, None]
+    tokens = np.where(real, np.asarray(source.tokens)[:, :width], 0)
+    positions = np.broadcast_to(np.arange(width, dtype=np.int32), (rows, width))
+    prompt = Batch(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        positions=jnp.asarray(positions),
+        segment_ids=jnp.asarray(real, jnp.int32),
+        targets=jnp.zeros((rows, width), jnp.int32),
+    )
+    return prompt, lengths
+
+
+def decode_positions(lengths: np.ndarray, step: int) -> np.ndarray:
+    """Positions ``[rows, 1]`` of decode step ``step``: each row's length plus ``step``."""
+    return (lengths + step).astype(np.int32)[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What one backend produced: logits at every stage and the greedy tokens."""
+
+    prompt: Batch
+    lengths: np.ndarray
+    """Real tokens per prompt row, ``[rows]``."""
+    prefill_logits: np.ndarray
+    """``[rows, prompt width, vocab]``; rows are only meaningful below ``lengths``."""
+    step_logits: np.ndarray
+    """``[steps, rows, vocab]``: decode step ``t`` ran at position ``lengths + t``."""
+    tokens: np.ndarray
+    """``[rows, steps + 1]`` greedy tokens: the first from prefill, then one per step."""
+    caches: tuple[Flat, ...]
+    """The cache after prefill, then after each decode step, as host arrays."""
+
+    def sequence(self, seq_len: int) -> Batch:
+        """The prompts followed by the tokens fed to decode, padded to ``seq_len``."""
+        rows, steps = self.step_logits.shape[1], self.step_logits.shape[0]
+        tokens = np.zeros((rows, seq_len), np.int32)
+        prompt = np.asarray(self.prompt.tokens)
+        for row, length in enumerate(self.lengths):
+            tokens[row, :length] = prompt[row, :length]
+            tokens[row, length : length + steps] = self.tokens[row, :steps]
+        real = np.arange(seq_len)[None, :] < (self.lengths + steps)[:, None]
+        targets = np.zeros_like(tokens)
+        targets[:, :-1] = tokens[:, 1:]
+        return Batch(
+            tokens=jnp.asarray(tokens),
+            positions=jnp.asarray(np.broadcast_to(np.arange(seq_len, dtype=np.int32), real.shape)),
+            segment_ids=jnp.asarray(real, jnp.int32),
+            targets=jnp.asarray(targets),
+        )
+
+
+def generate(
+    decoder: LinenDecoder | NnxDecoder,
+    params: Flat,
+    prompt: Batch,
+    lengths: np.ndarray,
+    steps: int,
+    place: Callable[[Batch], Batch] = lambda b: b,
+    shardings: CacheShardings | None = None,
+) -> Generation:
+    """Prefill ``prompt``, then decode ``steps`` greedy tokens one at a time.
+
+    Every call goes through ``place`` (which shards a batch) and keeps the cache with
+    ``shardings``. The token after the prompt is the argmax of the prefill logits at
+    each row's last real token; each decode step feeds the previous token at position
+    :func:`decode_positions`.
+    """
+    rows = len(lengths)
+    cache = decoder.init_cache(shardings)
+    logits, cache = decoder.run("prefill", params, cache, place(prompt), shardings)
+    caches = [_on_host(cache)]
+    prefill_logits = np.asarray(logits)
+    token = prefill_logits[np.arange(rows), lengths - 1].argmax(-1).astype(np.int32)
+    tokens, step_logits = [token], []
+    ones = np.ones((rows, 1), np.int32)
+    for step in range(steps):
+        batch = Batch(
+            tokens=jnp.asarray(token[:, None]),
+            positions=jnp.asarray(decode_positions(lengths, step)),
+            segment_ids=jnp.asarray(ones),
+            targets=jnp.zeros((rows, 1), jnp.int32),
+        )
+        logits, cache = decoder.run("decode", params, cache, place(batch), shardings)
+        caches.append(_on_host(cache))
+        step_logits.append(np.asarray(logits)[:, 0])
+        token = step_logits[-1].argmax(-1).astype(np.int32)
+        tokens.append(token)
+    return Generation(
+        prompt=prompt,
+        lengths=lengths,
+        prefill_logits=prefill_logits,
+        step_logits=np.stack(step_logits),
+        tokens=np.stack(tokens, axis=1),
+        caches=tuple(caches),
+    )
+
+
+def _on_host(flat: Flat) -> Flat:
+    return {path: np.asarray(value) for path, value in flat.items()}
