@@ -16,11 +16,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from conformance import checkpoints, training
+from conformance import checkpoints, decoding, training
 from conformance.checkpoints import cast_counters as checkpoints_cast_counters
+from conformance.decoding import decode_positions as decoding_positions
 from conformance.families import Family
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
+from models import nnx_layers
 from models.gpt3.family import Gpt3Family
 from models.llama.family import LlamaFamily
 
@@ -126,7 +128,11 @@ class EmbeddingInitScale(Gpt3Family):
 
 
 class Llama(LlamaFamily):
-    """An unchanged llama, for faults planted in the harness's NNX trainer instead."""
+    """An unchanged llama, for faults planted by a patch instead."""
+
+
+class Gpt3(Gpt3Family):
+    """An unchanged gpt3, for faults planted by a patch instead."""
 
 
 def forward_without_capture(model, batch):
@@ -207,13 +213,56 @@ def _loses_step(state, target):
     return {p: np.zeros_like(v) if p == "optimizer/step" else v for p, v in cast.items()}
 
 
+_serve_call = nnx_layers.KVCache.__call__
+_init_cache = nnx_layers.KVCache.init
+
+
+def _never_writes_cache(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` that attends with the new keys but never stores them."""
+    if mode == "forward":
+        return _serve_call(self, k, v, segment_ids, mode)
+    before = self.key[...], self.value[...]
+    out = _serve_call(self, k, v, segment_ids, mode)
+    self.key[...], self.value[...] = before
+    return out
+
+
+def _index_off_by_one(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` whose prefill leaves the index one past each prompt's end."""
+    out = _serve_call(self, k, v, segment_ids, mode)
+    if mode == "prefill":
+        self.index[...] = self.index[...] + 1
+    return out
+
+
+def _prefill_without_causal_mask(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` whose prefill lets every prompt token see the whole prompt."""
+    keys, values, mask = _serve_call(self, k, v, segment_ids, mode)
+    if mode == "prefill":
+        real = segment_ids != 0
+        mask = real[:, None, :, None] & real[:, None, None, :]
+    return keys, values, mask
+
+
+def _bfloat16_cache(self, batch_size, stacked=None):
+    """NNX ``KVCache.init`` that stores keys in bfloat16 under a float32 config."""
+    _init_cache(self, batch_size, stacked)
+    self.key = self.key.replace(self.key[...].astype(jnp.bfloat16))
+
+
+def _positions_not_advanced(lengths, step):
+    """The serving loop's positions, stuck at the first decode step's."""
+    del step
+    return decoding_positions(lengths, 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """A faulty family, the check that must catch it, and what its report must say.
 
-    ``patch`` plants a fault in the harness's NNX trainer instead (applied with
-    ``monkeypatch`` around the check; the family is then a fresh unchanged instance, so
-    no cached trainer outlives the patch).
+    ``patch`` plants a fault in the harness or in a shared model layer instead (applied
+    with ``monkeypatch`` around the check; the family is then a fresh unchanged
+    instance, so no cached runner, trainer or decoder outlives the patch).
     """
 
     family: Family
@@ -327,5 +376,43 @@ FAULTS = (
             "model/norm_f/scale: in the target, missing from the checkpoint",
             "model/final_norm/scale: in the checkpoint, not in the target",
         ),
+    ),
+    Fault(
+        Llama(),
+        "decode",
+        (
+            "decode step 0 of 8",
+            "logits:",
+            "the caches first differ after prefill",
+            "layers/0/attn/kv_cache/key:",
+        ),
+        patch=(nnx_layers.KVCache, "__call__", _never_writes_cache),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("NNX decode step 0 of 8", "vs the full forward", "logits:"),
+        patch=(nnx_layers.KVCache, "__call__", _index_off_by_one),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("NNX prefill vs the full-sequence forward", "logits:"),
+        patch=(nnx_layers.KVCache, "__call__", _prefill_without_causal_mask),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("Linen decode step 1 of 8", "vs the full forward", "logits:"),
+        patch=(decoding, "decode_positions", _positions_not_advanced),
+    ),
+    Fault(
+        Gpt3(),
+        "decode_cache",
+        (
+            "layers/0/attn/kv_cache/key: Linen float32[8, 32, 4, 16]",
+            "!= NNX bfloat16[8, 32, 4, 16]",
+        ),
+        patch=(nnx_layers.KVCache, "init", _bfloat16_cache),
     ),
 )

@@ -14,6 +14,7 @@ from conformance.checks import (
     check_sharding,
     check_structure,
 )
+from conformance.decode_checks import check_decode, check_decode_cache, check_decode_consistency
 from conformance.sharding import parse_mesh
 from conformance.train_checks import (
     check_grad_accumulation,
@@ -59,6 +60,12 @@ def run_check(fault: Fault, workdir: Path) -> None:
             check_grad_accumulation(family, config, MESH, MESH.devices())
         case "hygiene":
             check_hygiene(family, config, MESH, MESH.devices())
+        case "decode_cache":
+            check_decode_cache(family, config, MESH, MESH.devices())
+        case "decode_consistency":
+            check_decode_consistency(family, config, MESH, MESH.devices())
+        case "decode":
+            check_decode(family, config, MESH, MESH.devices())
         case "optimizer_sharding":
             check_optimizer_sharding(family, config, MESH)
         case _:
@@ -76,6 +83,7 @@ def test_fault_is_caught(fault, monkeypatch, tmp_path):
         "sharding_topology": "sharding",
         "checkpoint_conversion": "checkpoint",
         "restore": "checkpoint",
+        "decode_cache": "decode_cache",
     }.get(fault.check, fault.check)
     assert report.startswith(f"{fault.family.name} {check}:"), report
     for expected in fault.expect:
