@@ -73,9 +73,9 @@ def save(directory: Path, state: Flat, info: CheckpointInfo) -> None:
     staging = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(staging.absolute() / STATE_DIR, unflatten(state))
-    checkpointer.wait_until_finished()
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(staging.absolute() / STATE_DIR, unflatten(state))
+        checkpointer.wait_until_finished()
     record = {"format": FORMAT_VERSION, **dataclasses.asdict(info)}
     (staging / INFO_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     staging.rename(directory)
@@ -107,7 +107,8 @@ def stored_layout(directory: Path) -> dict[str, LeafSpec]:
     """``{path: LeafSpec}`` of the stored state, read from orbax metadata only."""
     state_dir = Path(directory).absolute() / STATE_DIR
     try:
-        tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.metadata(state_dir).item_metadata.tree
     except Exception as err:  # orbax raises many types for a damaged directory
         raise CheckpointError(
             f"cannot read checkpoint {state_dir}: {type(err).__name__}: {err}"
@@ -154,7 +155,8 @@ def restore(
         for path, spec in target.items()
     }
     try:
-        restored = flatten(ocp.StandardCheckpointer().restore(state_dir, unflatten(abstract)))
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = flatten(checkpointer.restore(state_dir, unflatten(abstract)))
     except Exception as err:  # orbax raises many types for damaged data
         raise CheckpointError(f"cannot restore {state_dir}: {type(err).__name__}: {err}") from None
     retyped = [
