@@ -116,7 +116,8 @@ def compare_arrays(
         bad &= np.abs(b64 - ref) > np.abs(a64 - ref)
     if not bad.any():
         return None
-    rel = np.where(finite, diff / np.maximum(np.abs(b64), np.finfo(np.float64).tiny), np.inf)
+    with np.errstate(over="ignore"):
+        rel = np.where(finite, diff / np.maximum(np.abs(b64), np.finfo(np.float64).tiny), np.inf)
     scored = np.where(bad, diff, -1.0)
     worst = np.unravel_index(int(np.argmax(scored)), a.shape) if a.ndim else ()
     nonfinite = int((bad & ~finite).sum())
