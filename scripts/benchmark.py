@@ -1,8 +1,9 @@
 """Report the conformance suite's wall time, cold and with a warm compilation cache.
 
 Runs the suite twice in fresh processes sharing a new persistent compilation cache:
-first cold (empty cache), then warm. Prints total wall time per run and the warm time
-per check (summed test durations from pytest's JUnit XML). Extra arguments are passed to
+first cold (empty cache), then warm. Prints total wall time per run, the warm time per
+area (suite module: forward, train step, checkpoint, decode, ...) and per check (summed
+test durations from pytest's JUnit XML). Extra arguments are passed to
 pytest, e.g. ``python scripts/benchmark.py -k forward`` or ``-n 2``.
 
 This is a benchmark, not a test: it never fails on a time.
@@ -42,14 +43,21 @@ def run_suite(cache_dir: Path, junit: Path, pytest_args: list[str]) -> tuple[flo
     return time.perf_counter() - start, code
 
 
-def per_check(junit: Path) -> dict[str, tuple[int, float]]:
-    """``{check: (tests, seconds)}`` from a JUnit XML report."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+def totals(junit: Path, key: str) -> dict[str, tuple[int, float]]:
+    """``{name: (tests, seconds)}`` from a JUnit XML report, by check or by area.
+
+    A check is a test function without ``test_``; an area is a suite module without
+    ``test_`` (``decode`` for ``conformance/suite/test_decode.py``).
+    """
+    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for case in ET.parse(junit).iter("testcase"):
-        check = case.get("name", "").split("[")[0].removeprefix("test_")
-        totals[check][0] += 1
-        totals[check][1] += float(case.get("time", 0))
-    return {k: (int(n), t) for k, (n, t) in sorted(totals.items())}
+        if key == "check":
+            name = case.get("name", "").split("[")[0].removeprefix("test_")
+        else:
+            name = case.get("classname", "").rsplit(".", 1)[-1].removeprefix("test_")
+        sums[name][0] += 1
+        sums[name][1] += float(case.get("time", 0))
+    return {k: (int(n), t) for k, (n, t) in sorted(sums.items())}
 
 
 def main() -> int:
@@ -60,13 +68,16 @@ def main() -> int:
         tmp_path = Path(tmp)
         cold, cold_code = run_suite(tmp_path / "cache", tmp_path / "cold.xml", pytest_args)
         warm, warm_code = run_suite(tmp_path / "cache", tmp_path / "warm.xml", pytest_args)
-        checks = per_check(tmp_path / "warm.xml")
+        areas = totals(tmp_path / "warm.xml", "area")
+        checks = totals(tmp_path / "warm.xml", "check")
     print(
         f"suite wall time: cold {cold:.1f} s (exit {cold_code}), "
         f"warm cache {warm:.1f} s (exit {warm_code}); {os.cpu_count()} CPU cores"
     )
-    for check, (count, seconds) in checks.items():
-        print(f"  {check:<20} {count:>3} tests  {seconds:7.1f} s warm")
+    for title, table in (("by area", areas), ("by check", checks)):
+        print(title)
+        for name, (count, seconds) in table.items():
+            print(f"  {name:<22} {count:>3} tests  {seconds:7.1f} s warm")
     return 0
 
 
