@@ -41,10 +41,11 @@ class DenseGeneral(nn.Module):
             self.in_shape + self.out_shape,
             self.param_dtype,
         )
+        # Flax's promote_dtype rather than astype: quantization libraries (Qwix) intercept
+        # it to pass quantized kernels through unchanged.
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-        y = jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ()))
-        )
+        y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
         if self.use_bias:
             bias = self.param(
                 "bias",

@@ -49,10 +49,11 @@ class DenseGeneral(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the projection in ``dtype``."""
+        # Flax's promote_dtype rather than astype: quantization libraries (Qwix) intercept
+        # it to pass quantized kernels through unchanged.
+        x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
         contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
-        y = jax.lax.dot_general(
-            x.astype(self.dtype), self.kernel[...].astype(self.dtype), (contract, ((), ()))
-        )
+        y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
