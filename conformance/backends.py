@@ -16,8 +16,10 @@ import jax
 from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from qwix import PtqProvider, QuantizationProvider, quantize_params
 
 from conformance.families import Batch, Family
+from conformance.quant import MODES, quantize_linen, quantize_nnx
 from conformance.sharding import Logical, MeshSpec, linen_logical, nnx_logical, resolve_spec
 from conformance.trees import (
     Flat,
@@ -48,18 +50,41 @@ def _sown_hidden(tree: Any) -> jax.Array | None:
     return hits[0] if len(hits) == 1 else None
 
 
-class LinenRunner:
-    """A family's Linen module: abstract layout, sharded init and a jitted forward."""
+def _provider(family: Family, config: Any, quant: str | None) -> QuantizationProvider | None:
+    return None if quant is None else MODES[quant].provider(family.quantization_scope(config))
 
-    def __init__(self, family: Family, config: Any) -> None:
+
+class LinenRunner:
+    """A family's Linen module: abstract layout, sharded init and a jitted forward.
+
+    With ``quant`` (a name in :data:`conformance.quant.MODES`) the module is quantized
+    by Qwix: its parameters are the quantized layout (``qvalue``/``scale`` leaves for
+    PTQ), and :meth:`quantize` turns float parameters into them.
+    """
+
+    def __init__(self, family: Family, config: Any, quant: str | None = None) -> None:
         self.family, self.config = family, config
-        self.module = family.linen_module(config)
+        self.provider = _provider(family, config, quant)
+        module = family.linen_module(config)
+        self.module = module if self.provider is None else quantize_linen(module, self.provider)
         example = _inputs(family.batch(config, 1))
         boxed = jax.eval_shape(self.module.init, jax.random.key(0), *example)["params"]
         self.logical: dict[str, Logical] = linen_logical(boxed)
-        self.specs: dict[str, LeafSpec] = specs(flatten(nn.meta.unbox(boxed)))
+        self._abstract = nn.meta.unbox(boxed)
+        self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
         self._forward = jax.jit(self._forward_impl)
         self._init_fns: dict[Any, Any] = {}
+        self._quantize = jax.jit(lambda params: flatten(quantize_params(unflatten(params), boxed)))
+
+    def tree(self, flat: Mapping[str, Any]) -> Any:
+        """The module's parameter tree (with Qwix's quantized nodes, if any) holding ``flat``."""
+        return jax.tree_util.tree_map_with_path(lambda k, _: flat[join_path(k)], self._abstract)
+
+    def quantize(self, float_params: Flat) -> Flat:
+        """Quantized parameters for this runner, made from the float runner's ``float_params``."""
+        if not isinstance(self.provider, PtqProvider):
+            return float_params
+        return self._quantize(float_params)
 
     def _init_impl(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         return nn.meta.unbox(self.module.init(key, *_inputs(batch))["params"])
@@ -68,7 +93,7 @@ class LinenRunner:
         """Initialise parameters from ``seed``, created directly with ``shardings``."""
         key = tuple(sorted(shardings.items())) if shardings else None
         if key not in self._init_fns:
-            out = unflatten(shardings) if shardings else None
+            out = self.tree(shardings) if shardings else None
             self._init_fns[key] = jax.jit(self._init_impl, out_shardings=out)
         batch = self.family.batch(self.config, 1)
         return flatten(self._init_fns[key](jax.random.key(seed), batch))
@@ -81,14 +106,19 @@ class LinenRunner:
 
     def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
         """Logits and sown per-block hidden states for ``batch``."""
-        return self._forward(unflatten(params), batch)
+        return self._forward(self.tree(params), batch)
 
 
 class NnxRunner:
-    """A family's NNX module: abstract layout, sharded init and a jitted forward."""
+    """A family's NNX module: abstract layout, sharded init and a jitted forward.
 
-    def __init__(self, family: Family, config: Any) -> None:
+    With ``quant``, the module is quantized by Qwix as in :class:`LinenRunner`.
+    """
+
+    def __init__(self, family: Family, config: Any, quant: str | None = None) -> None:
         self.family, self.config = family, config
+        self.quant = quant
+        self.provider = _provider(family, config, quant)
         abstract = nnx.eval_shape(lambda: self.build(0))
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
@@ -102,7 +132,33 @@ class NnxRunner:
     def build(self, seed: int) -> nnx.Module:
         """Construct the NNX module from ``seed`` (eager sharding off: the harness places)."""
         with nnx.use_eager_sharding(False):
-            return self.family.nnx_module(self.config, nnx.Rngs(seed))
+            model = self.family.nnx_module(self.config, nnx.Rngs(seed))
+            return self._quantized(model)
+
+    def _quantized(self, model: nnx.Module) -> nnx.Module:
+        if self.provider is None:
+            return model
+        example = _inputs(self.family.batch(self.config, 1))
+        return quantize_nnx(model, self.provider, example)
+
+    def quantize(self, float_params: Flat) -> Flat:
+        """Quantized parameters for this runner, made from the float runner's ``float_params``.
+
+        The float model holding ``float_params`` is quantized by Qwix, as a user would.
+        """
+        if not isinstance(self.provider, PtqProvider):
+            return float_params
+        source = nnx_runner(self.family, self.config)
+        if source.rest is None:
+            raise RuntimeError("NnxRunner.quantize needs the float runner's init() first")
+
+        def convert(params: nnx.State, rest: nnx.State) -> nnx.State:
+            with nnx.use_eager_sharding(False):
+                model = self._quantized(nnx.merge(source.graphdef, params, rest))
+            return nnx.state(model, nnx.Param)
+
+        quantized = jax.jit(convert)(source.state(float_params), source.rest)
+        return {path: var.get_value() for path, var in flatten_state(quantized).items()}
 
     def state(self, params: Flat) -> nnx.State:
         """An ``nnx.State`` of Params holding ``params`` (keyed by canonical path)."""
@@ -151,15 +207,15 @@ class NnxRunner:
 
 
 @functools.cache
-def linen_runner(family: Family, config: Any) -> LinenRunner:
-    """The cached Linen runner for ``(family, config)``."""
-    return LinenRunner(family, config)
+def linen_runner(family: Family, config: Any, quant: str | None = None) -> LinenRunner:
+    """The cached Linen runner for ``(family, config, quant)``."""
+    return LinenRunner(family, config, quant)
 
 
 @functools.cache
-def nnx_runner(family: Family, config: Any) -> NnxRunner:
-    """The cached NNX runner for ``(family, config)``."""
-    return NnxRunner(family, config)
+def nnx_runner(family: Family, config: Any, quant: str | None = None) -> NnxRunner:
+    """The cached NNX runner for ``(family, config, quant)``."""
+    return NnxRunner(family, config, quant)
 
 
 def path_map(family: Family, config: Any) -> dict[str, str]:

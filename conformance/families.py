@@ -50,6 +50,17 @@ class Batch:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantScope:
+    """What quantization rules target: modules by path regex, and operations by name."""
+
+    module_path: str = ".*"
+    """Regex fully matching the module path (``layers_0/mlp/wi`` in Linen, ``layers/0/...``
+    in NNX), so it must accept both backends' spellings."""
+    op_names: tuple[str, ...] = ("dot_general",)
+    """Intercepted ``jax`` operations to quantize (``dot_general``, ``einsum``, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a family supports, so the suite skips with a reason instead of failing."""
 
@@ -57,6 +68,7 @@ class Capabilities:
     decode: bool = False
     moe: bool = False
     quantization: frozenset[str] = frozenset()
+    """Quantization modes (names in :data:`conformance.quant.MODES`) the family supports."""
 
 
 class Family(abc.ABC):
@@ -121,6 +133,11 @@ class Family(abc.ABC):
         """
         del config
         return ()
+
+    def quantization_scope(self, config: Any) -> QuantScope:
+        """What quantization targets; by default every ``jax.lax.dot_general``."""
+        del config
+        return QuantScope()
 
     @abc.abstractmethod
     def logical_axis_rules(self) -> LogicalRules:

@@ -18,6 +18,7 @@ from conformance import families as registry
 from conformance.checks import CheckFailure
 from conformance.environment import configure_host_platform
 from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.quant import MODES
 from conformance.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
 
 DEFAULT_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
@@ -66,6 +67,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "capability(name): run only on families whose Capabilities declare it (else skip)",
     )
+    config.addinivalue_line(
+        "markers", "quant_method(name): parametrize `quant` only over modes of this method"
+    )
     try:
         names = config.getoption("family") or list(registry.registry())
         config.stash[_FAMILIES] = [registry.get(name) for name in names]
@@ -84,7 +88,7 @@ def goldens_root(config: pytest.Config) -> Path:
     return config.rootpath / config.getini("conformance_goldens")
 
 
-AXES = ("family", "size", "full_size", "mesh", "topology", "scan_layers", "dtype")
+AXES = ("family", "size", "full_size", "mesh", "topology", "scan_layers", "dtype", "quant")
 """Parameters the plugin generates, in test-id order, for any test that asks for them."""
 
 
@@ -105,6 +109,17 @@ def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> l
             return list(DTYPES.items())
 
 
+def _quant_values(family: registry.Family, metafunc: pytest.Metafunc) -> list[Any]:
+    """The family's quantization modes, narrowed by a ``quant_method`` marker if any."""
+    methods = {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
+    modes = [
+        name
+        for name in sorted(family.capabilities.quantization)
+        if not methods or MODES[name].method in methods
+    ]
+    return [(m, m) for m in modes] or [("none", None)]
+
+
 def _marks(
     family: registry.Family, case: dict[str, Any], needs: list[str]
 ) -> list[pytest.MarkDecorator]:
@@ -112,6 +127,8 @@ def _marks(
     if scan is not None and scan not in family.capabilities.scan_layers:
         layout = "scan_layers" if scan else "a layer list"
         return [pytest.mark.skip(reason=f"{family.name} does not support {layout}")]
+    if "quant" in case and case["quant"] is None:
+        return [pytest.mark.skip(reason=f"{family.name} declares no quantization modes")]
     missing = [name for name in needs if not getattr(family.capabilities, name)]
     if missing:
         declared = ", ".join(f"{name}=True" for name in missing)
@@ -128,6 +145,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for family in metafunc.config.stash[_FAMILIES]:
         axes = [_axis_values(name, family, metafunc.config) for name in argnames]
+        if "quant" in argnames:
+            axes[argnames.index("quant")] = _quant_values(family, metafunc)
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)

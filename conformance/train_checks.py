@@ -76,15 +76,21 @@ def _side(
 
 
 def linen_and_nnx(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, micro_batches: int = 1
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    micro_batches: int = 1,
+    quant: str | None = None,
 ) -> tuple[Side, Side, dict[str, str]]:
     """Both sides' placed initial train states, NNX holding Linen's parameters.
 
-    Returns ``(linen, nnx, {Linen state path: NNX state path})``.
+    With ``quant`` (a QAT mode), both models are quantized. Returns ``(linen, nnx,
+    {Linen state path: NNX state path})``.
     """
     lt, nt = (
-        linen_trainer(family, config, micro_batches),
-        nnx_trainer(family, config, micro_batches),
+        linen_trainer(family, config, micro_batches, quant),
+        nnx_trainer(family, config, micro_batches, quant),
     )
     mapping = param_map(family, "train_step", config)
     linen_params = lt.runner.init(0, shardings_for(family, lt.runner.logical, mesh, devices))
@@ -122,22 +128,27 @@ def compare_steps(
         fail(family, check, report(what, mismatches, names))
 
 
-def check_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_train_step(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, quant: str | None = None
+) -> None:
     """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
 
     Compares per step the loss, every gradient, and the whole next state (parameters,
     Adam moments, optax counts and the step counter, which must equal the step number).
+    With ``quant`` (a QAT mode), both sides train quantized models (check ``qat_train_step``).
     """
-    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices)
+    check = "train_step" if quant is None else "qat_train_step"
+    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices, quant=quant)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    mode = "" if quant is None else f" ({quant})"
     for step in range(1, STEPS + 1):
         first, second = _advance(linen, nnx_side, mapping, batch)
         compare_steps(
-            family, "train_step", f"step {step} of {STEPS} on mesh {mesh.id}", first, second
+            family, check, f"step {step} of {STEPS}{mode} on mesh {mesh.id}", first, second
         )
         counter = int(second[0]["optimizer/step"])
         if counter != step:
-            fail(family, "train_step", f"optimizer/step is {counter} after step {step}")
+            fail(family, check, f"optimizer/step is {counter} after step {step}")
 
 
 def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:

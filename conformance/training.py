@@ -99,8 +99,10 @@ class LinenTrainer:
     loss: LossFn = staticmethod(masked_token_loss)
     accumulate = staticmethod(accumulate)
 
-    def __init__(self, family: Family, config: Any, micro_batches: int = 1) -> None:
-        self.runner = linen_runner(family, config)
+    def __init__(
+        self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+    ) -> None:
+        self.runner = linen_runner(family, config, quant)
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
@@ -185,8 +187,10 @@ class NnxTrainer:
     accumulate = staticmethod(accumulate)
     forward = staticmethod(nnx_training_forward)
 
-    def __init__(self, family: Family, config: Any, micro_batches: int = 1) -> None:
-        self.runner = nnx_runner(family, config)
+    def __init__(
+        self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+    ) -> None:
+        self.runner = nnx_runner(family, config, quant)
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
@@ -247,12 +251,16 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 
 @functools.cache
-def linen_trainer(family: Family, config: Any, micro_batches: int = 1) -> LinenTrainer:
-    """The cached Linen trainer for ``(family, config, micro_batches)``."""
-    return LinenTrainer(family, config, micro_batches)
+def linen_trainer(
+    family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+) -> LinenTrainer:
+    """The cached Linen trainer for ``(family, config, micro_batches, quant)``."""
+    return LinenTrainer(family, config, micro_batches, quant)
 
 
 @functools.cache
-def nnx_trainer(family: Family, config: Any, micro_batches: int = 1) -> NnxTrainer:
-    """The cached NNX trainer for ``(family, config, micro_batches)``."""
-    return NnxTrainer(family, config, micro_batches)
+def nnx_trainer(
+    family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+) -> NnxTrainer:
+    """The cached NNX trainer for ``(family, config, micro_batches, quant)``."""
+    return NnxTrainer(family, config, micro_batches, quant)

@@ -23,7 +23,11 @@ class TransformerFamily(Family):
     size) and the Linen and NNX decoder classes, each built from a config.
     """
 
-    capabilities = Capabilities(scan_layers=(False, True), decode=True)
+    capabilities = Capabilities(
+        scan_layers=(False, True),
+        decode=True,
+        quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
+    )
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]
