@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from qwix._src.core import dot_general as qwix_dot_general
+from qwix._src.utils import flax_util as qwix_flax_util
 
-from conformance import checkpoints, decoding, training
+from conformance import checkpoints, decoding, quant, training
 from conformance.checkpoints import cast_counters as checkpoints_cast_counters
 from conformance.decoding import decode_positions as decoding_positions
-from conformance.families import Family
+from conformance.families import Family, QuantScope
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
 from models import nnx_layers
@@ -256,6 +258,40 @@ def _positions_not_advanced(lengths, step):
     return decoding_positions(lengths, 0)
 
 
+class RuleForLinenPathsOnly(Gpt3Family):
+    """Quantization rules written for Linen's ``layers_<i>/`` paths: NNX is never quantized."""
+
+    def quantization_scope(self, config):
+        del config
+        return QuantScope(module_path=r"layers_\d+/.*")
+
+
+_how_to_quantize = qwix_dot_general.get_how_to_quantize
+
+
+def _nnx_scale_on_input_axes(**kwargs):
+    """Qwix's how-to-quantize with NNX kernels scaled per input channel, not per output."""
+    how = _how_to_quantize(**kwargs)
+    if kwargs["for_lhs"] or not isinstance(qwix_flax_util.get_current_module(), nnx.Module):
+        return how
+    contracting = kwargs["dimension_numbers"][0][1]
+    return dataclasses.replace(how, channelwise_axes=sorted(contracting))
+
+
+def _keeps_transients(model):
+    """``strip_transients`` that leaves Qwix's tracing-forward intermediates in place."""
+    del model
+
+
+_restore = checkpoints.restore
+
+
+def _zero_fills_qvalue(directory, target, shardings=None):
+    """A restore that gives back every ``qvalue`` as zeros (the dtype and shape are right)."""
+    restored = _restore(directory, target, shardings)
+    return {p: jnp.zeros_like(v) if p.endswith("/qvalue") else v for p, v in restored.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """A faulty family, the check that must catch it, and what its report must say.
@@ -271,6 +307,7 @@ class Fault:
     size: str = "tiny"
     patch: tuple[Any, str, Any] | None = None
     layouts: tuple[bool, bool] = (False, False)
+    quant: str | None = None
 
     @property
     def id(self) -> str:
@@ -414,5 +451,38 @@ FAULTS = (
             "!= NNX bfloat16[8, 32, 4, 16]",
         ),
         patch=(nnx_layers.KVCache, "init", _bfloat16_cache),
+    ),
+    Fault(
+        RuleForLinenPathsOnly(),
+        "quant_forward",
+        ("NNX qat_int8: a rule is a no-op", r"module_path='layers_\\d+/.*'"),
+        quant="qat_int8",
+    ),
+    Fault(
+        Gpt3(),
+        "quant_params",
+        (
+            "layers/0/attn/qkv/kernel/array/scale: Linen float32[1, 3, 4, 16]",
+            "!= NNX float32[64, 1, 1, 1]",
+        ),
+        patch=(qwix_dot_general, "get_how_to_quantize", _nnx_scale_on_input_axes),
+        quant="ptq_int8",
+    ),
+    Fault(
+        Gpt3(),
+        "quant_hygiene",
+        ("hidden_states: flax.nnx.variablelib.Intermediate appeared with quantization",),
+        patch=(quant, "strip_transients", _keeps_transients),
+        quant="qat_int8",
+    ),
+    Fault(
+        Llama(),
+        "quant_checkpoint",
+        (
+            "Linen ptq_int8 parameters after an orbax round trip",
+            "layers_0/attn/k/kernel/array/qvalue",
+        ),
+        patch=(checkpoints, "restore", _zero_fills_qvalue),
+        quant="ptq_int8",
     ),
 )

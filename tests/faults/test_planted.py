@@ -15,6 +15,12 @@ from conformance.checks import (
     check_structure,
 )
 from conformance.decode_checks import check_decode, check_decode_cache, check_decode_consistency
+from conformance.quant_checks import (
+    check_quant_checkpoint,
+    check_quant_forward,
+    check_quant_hygiene,
+    check_quant_params,
+)
 from conformance.sharding import parse_mesh
 from conformance.train_checks import (
     check_grad_accumulation,
@@ -66,6 +72,14 @@ def run_check(fault: Fault, workdir: Path) -> None:
             check_decode_consistency(family, config, MESH, MESH.devices())
         case "decode":
             check_decode(family, config, MESH, MESH.devices())
+        case "quant_params":
+            check_quant_params(family, config, MESH, fault.quant)
+        case "quant_forward":
+            check_quant_forward(family, config, MESH, MESH.devices(), fault.quant)
+        case "quant_hygiene":
+            check_quant_hygiene(family, config, MESH, fault.quant)
+        case "quant_checkpoint":
+            check_quant_checkpoint(family, config, MESH, MESH.devices(), fault.quant, workdir)
         case "optimizer_sharding":
             check_optimizer_sharding(family, config, MESH)
         case _:
