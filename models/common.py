@@ -151,3 +151,23 @@ def decode_cache(
     slots = jnp.arange(cached_k.shape[1], dtype=jnp.int32)
     mask = (slots[None, :] <= index[:, None])[:, None, None, :]
     return write(cached_k, k), write(cached_v, v), index + 1, mask
+
+
+def serve_cache(
+    mode: str,
+    cached: tuple[jax.Array, jax.Array],
+    index: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """One ``prefill`` or ``decode`` call against a layer's cache.
+
+    Returns ``((key, value, index), (keys, values, mask))``: the new cache contents and
+    what the layer attends with (prefill: the prompt itself; decode: the whole cache).
+    """
+    if mode == "prefill":
+        new_k, new_v, new_index, mask = prefill_cache(cached, k, v, segment_ids)
+        return (new_k, new_v, new_index), (k, v, mask)
+    new_k, new_v, new_index, mask = decode_cache(cached, index, k, v)
+    return (new_k, new_v, new_index), (new_k, new_v, mask)

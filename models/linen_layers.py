@@ -114,19 +114,12 @@ class KVCache(nn.Module):
         value = self.variable("cache", "value", zeros, shape, cfg.dtype)
         index_init = nn.with_logical_partitioning(jnp.zeros, ("batch",))
         index = self.variable("cache", "index", index_init, (k.shape[0],), jnp.int32)
-        if mode == "prefill":
-            new_k, new_v, new_index, mask = common.prefill_cache(
-                (key.value, value.value), k, v, segment_ids
-            )
-            keys, values = k, v
-        else:
-            new_k, new_v, new_index, mask = common.decode_cache(
-                (key.value, value.value), index.value, k, v
-            )
-            keys, values = new_k, new_v
+        written, attended = common.serve_cache(
+            mode, (key.value, value.value), index.value, k, v, segment_ids
+        )
         if exists:
-            key.value, value.value, index.value = new_k, new_v, new_index
-        return keys, values, mask
+            key.value, value.value, index.value = written
+        return attended
 
 
 def apply_layers(

@@ -129,15 +129,11 @@ class KVCache(nnx.Module):
             return k, v, common.attention_mask(segment_ids)
         if self.key is None or self.value is None or self.index is None:
             raise ValueError(f"mode {mode!r} needs a cache: call the model's init_cache() first")
-        cached = (self.key[...], self.value[...])
-        if mode == "prefill":
-            new_k, new_v, new_index, mask = common.prefill_cache(cached, k, v, segment_ids)
-            keys, values = k, v
-        else:
-            new_k, new_v, new_index, mask = common.decode_cache(cached, self.index[...], k, v)
-            keys, values = new_k, new_v
-        self.key[...], self.value[...], self.index[...] = new_k, new_v, new_index
-        return keys, values, mask
+        written, attended = common.serve_cache(
+            mode, (self.key[...], self.value[...]), self.index[...], k, v, segment_ids
+        )
+        self.key[...], self.value[...], self.index[...] = written
+        return attended
 
 
 def init_caches(layers: nnx.Module, config: TransformerConfig, batch_size: int) -> None:
