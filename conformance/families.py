@@ -69,6 +69,8 @@ class Capabilities:
     moe: bool = False
     quantization: frozenset[str] = frozenset()
     """Quantization modes (names in :data:`conformance.quant.MODES`) the family supports."""
+    aqt: bool = False
+    """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
 
 
 class Family(abc.ABC):
@@ -138,6 +140,18 @@ class Family(abc.ABC):
         """What quantization targets; by default every ``jax.lax.dot_general``."""
         del config
         return QuantScope()
+
+    def aqt_config(self, config: Any, mode: str) -> Any:
+        """``config`` with its projections quantized by AQT (aqtp) int8 in ``mode``.
+
+        ``mode`` is ``"train"`` (fake-quantized over float kernels), ``"convert"`` (the
+        forward also writes each frozen kernel, ``qvalue`` int8 plus ``scale``, to the
+        ``aqt`` collection; NNX through ``nnx.bridge.ToNNX``, an ``aqt`` Variable) or
+        ``"serve"`` (kernels are read from there; the float kernels are not parameters).
+        Required with ``Capabilities(aqt=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
 
     @abc.abstractmethod
     def logical_axis_rules(self) -> LogicalRules:

@@ -13,7 +13,8 @@ class TransformerConfig:
     """Hyper-parameters of a decoder-only transformer, the same for Linen and NNX.
 
     ``dtype`` is the compute dtype (float32 or bfloat16); ``param_dtype`` the dtype
-    parameters are stored in. ``rope_base`` is used by llama and ignored by gpt3.
+    parameters are stored in. ``rope_base`` is used by llama and ignored by gpt3. With
+    ``aqt_mode`` every projection runs through AQT (see :mod:`models.aqt`).
     """
 
     vocab_size: int
@@ -31,6 +32,8 @@ class TransformerConfig:
     norm_eps: float = 1e-5
     rope_base: float = 10_000.0
     dropout_rate: float = 0.0
+    aqt_mode: str | None = None
+    """``None`` (float projections) or an AQT int8 mode: ``train``, ``convert`` or ``serve``."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -40,3 +43,7 @@ class TransformerConfig:
             )
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.aqt_mode not in (None, "train", "convert", "serve"):
+            raise ValueError(
+                f"aqt_mode must be None, 'train', 'convert' or 'serve', got {self.aqt_mode!r}"
+            )

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models import common
+from models import aqt, common
 from models.common import EMBED_INIT, kernel_init
 from models.config import TransformerConfig
 
@@ -21,7 +21,9 @@ class DenseGeneral(nn.Module):
     """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus an optional bias.
 
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
-    bias (if ``use_bias``) is ``out_shape`` with the trailing names.
+    bias (if ``use_bias``) is ``out_shape`` with the trailing names. With ``aqt_mode``
+    the contraction runs through AQT int8 (:mod:`models.aqt`); in ``serve`` mode there
+    is no float kernel, only the frozen one in the ``aqt`` collection.
     """
 
     in_shape: tuple[int, ...]
@@ -30,22 +32,31 @@ class DenseGeneral(nn.Module):
     dtype: Any
     param_dtype: Any
     use_bias: bool = False
+    aqt_mode: aqt.AqtMode | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the projection in ``dtype``."""
         num_in, num_out = len(self.in_shape), len(self.out_shape)
-        kernel = self.param(
-            "kernel",
-            nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
-            self.in_shape + self.out_shape,
-            self.param_dtype,
-        )
+        shape = self.in_shape + self.out_shape
+        if self.aqt_mode == "serve":
+            kernel = jnp.zeros(shape, self.param_dtype)
+        else:
+            kernel = self.param(
+                "kernel",
+                nn.with_logical_partitioning(kernel_init(num_in, num_out), self.axis_names),
+                shape,
+                self.param_dtype,
+            )
         # Flax's promote_dtype rather than astype: quantization libraries (Qwix) intercept
         # it to pass quantized kernels through unchanged.
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-        y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        if self.aqt_mode is None:
+            y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        else:
+            dot_general = aqt.dot_general(self.aqt_mode, self.axis_names)
+            y = dot_general(x, kernel, (contract, ((), ())), None)
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -146,7 +157,7 @@ def apply_layers(
     if config.scan_layers:
         stack = nn.scan(
             block_cls,
-            variable_axes={"params": 0, "cache": 0},
+            variable_axes={"params": 0, "cache": 0, aqt.COLLECTION: 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * (len(args) + 2),
             length=config.num_layers,

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import common
+from models import aqt, common
 from models.common import EMBED_INIT, kernel_init
 from models.config import TransformerConfig
 
@@ -22,7 +22,9 @@ class DenseGeneral(nnx.Module):
     """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus an optional bias.
 
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
-    bias (if ``use_bias``) is ``out_shape`` with the trailing names, else ``None``.
+    bias (if ``use_bias``) is ``out_shape`` with the trailing names, else ``None``. With
+    ``aqt_mode`` the contraction runs through AQT int8 (:mod:`models.aqt`, bridged from
+    Linen); in ``serve`` mode there is no float kernel, only the frozen one.
     """
 
     def __init__(
@@ -35,25 +37,50 @@ class DenseGeneral(nnx.Module):
         param_dtype: Any,
         rngs: nnx.Rngs,
         use_bias: bool = False,
+        aqt_mode: aqt.AqtMode | None = None,
     ) -> None:
         self.num_in = len(in_shape)
-        self.dtype = dtype
-        init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
-        self.kernel = nnx.Param(init(rngs.params(), in_shape + out_shape, param_dtype))
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.aqt_mode = aqt_mode
+        self.kernel_shape = in_shape + out_shape
+        self.kernel: nnx.Param | None
+        if aqt_mode == "serve":
+            self.kernel = nnx.data(None)
+        else:
+            init = nnx.with_partitioning(kernel_init(len(in_shape), len(out_shape)), axis_names)
+            self.kernel = nnx.Param(init(rngs.params(), self.kernel_shape, param_dtype))
         self.bias: nnx.Param | None
         if use_bias:
             bias_init = nnx.with_partitioning(nnx.initializers.zeros, axis_names[self.num_in :])
             self.bias = nnx.Param(bias_init(rngs.params(), out_shape, param_dtype))
         else:
             self.bias = nnx.data(None)
+        if aqt_mode is not None:
+            # Named as Linen names the submodule, so both backends' paths agree.
+            self.AqtDotGeneral_0 = aqt.BridgedDotGeneral(aqt.dot_general(aqt_mode, axis_names))
+            self.AqtDotGeneral_0.lazy_init(
+                jnp.zeros((1, *in_shape), dtype),
+                jnp.zeros(self.kernel_shape, dtype),
+                ((tuple(range(1, 1 + self.num_in)), tuple(range(self.num_in))), ((), ())),
+                None,
+            )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the projection in ``dtype``."""
+        if self.kernel is None:
+            kernel = jnp.zeros(self.kernel_shape, self.param_dtype)
+        else:
+            kernel = self.kernel[...]
         # Flax's promote_dtype rather than astype: quantization libraries (Qwix) intercept
         # it to pass quantized kernels through unchanged.
-        x, kernel = nnx.nn.dtypes.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
+        x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel), dtype=self.dtype)
         contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
-        y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+        dimension_numbers = (contract, ((), ()))
+        if self.aqt_mode is None:
+            y = jax.lax.dot_general(x, kernel, dimension_numbers)
+        else:
+            mutable = [aqt.COLLECTION] if self.aqt_mode == "convert" else False
+            y = self.AqtDotGeneral_0(x, kernel, dimension_numbers, None, mutable=mutable)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -27,6 +27,7 @@ class TransformerFamily(Family):
         scan_layers=(False, True),
         decode=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
+        aqt=True,
     )
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
@@ -40,6 +41,10 @@ class TransformerFamily(Family):
         if size not in self.base_configs:
             raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
         return dataclasses.replace(self.base_configs[size], scan_layers=scan_layers, dtype=dtype)
+
+    def aqt_config(self, config: TransformerConfig, mode: str) -> TransformerConfig:
+        """``config`` with every projection running through AQT int8 in ``mode``."""
+        return dataclasses.replace(config, aqt_mode=mode)
 
     def linen_module(self, config: TransformerConfig) -> nn.Module:
         """Return the Linen decoder."""

@@ -65,6 +65,7 @@ class Attention(nn.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             name="qkv",
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -77,6 +78,7 @@ class Attention(nn.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             name="out",
         )(out)
 
@@ -97,6 +99,7 @@ class Mlp(nn.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             name="wi",
         )(x)
         h = jax.nn.gelu(h)
@@ -107,6 +110,7 @@ class Mlp(nn.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             name="wo",
         )(h)
 

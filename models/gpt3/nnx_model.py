@@ -61,6 +61,7 @@ class Attention(nnx.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             rngs=rngs,
         )
         self.kv_cache = KVCache(cfg)
@@ -71,6 +72,7 @@ class Attention(nnx.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             rngs=rngs,
         )
 
@@ -94,6 +96,7 @@ class Mlp(nnx.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             rngs=rngs,
         )
         self.wo = DenseGeneral(
@@ -103,6 +106,7 @@ class Mlp(nnx.Module):
             use_bias=True,
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             rngs=rngs,
         )
 

@@ -50,7 +50,7 @@ class Attention(nn.Module):
     ) -> jax.Array:
         """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         cfg = self.config
-        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "aqt_mode": cfg.aqt_mode}
         q_shape = (cfg.num_heads, cfg.head_dim)
         kv_shape = (cfg.num_kv_heads, cfg.head_dim)
         q = DenseGeneral(
@@ -80,7 +80,7 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the MLP to ``x`` ``[b, s, d_model]``."""
         cfg = self.config
-        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
+        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "aqt_mode": cfg.aqt_mode}
         up_names = ("embed", "mlp")
         gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="gate")(x)
         up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="up")(x)
@@ -168,5 +168,6 @@ class Llama(nn.Module):
             ("embed", "vocab"),
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             name="lm_head",
         )(x)

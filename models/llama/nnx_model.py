@@ -50,7 +50,12 @@ class Attention(nnx.Module):
         cfg = config
         self.dtype = cfg.dtype
         self.rope_base = cfg.rope_base
-        dense: dict[str, Any] = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "rngs": rngs}
+        dense: dict[str, Any] = {
+            "dtype": cfg.dtype,
+            "param_dtype": cfg.param_dtype,
+            "rngs": rngs,
+            "aqt_mode": cfg.aqt_mode,
+        }
         q_shape = (cfg.num_heads, cfg.head_dim)
         kv_shape = (cfg.num_kv_heads, cfg.head_dim)
         self.q = DenseGeneral((cfg.d_model,), q_shape, ("embed", "heads", "head_dim"), **dense)
@@ -75,7 +80,12 @@ class Mlp(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
-        dense: dict[str, Any] = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "rngs": rngs}
+        dense: dict[str, Any] = {
+            "dtype": cfg.dtype,
+            "param_dtype": cfg.param_dtype,
+            "rngs": rngs,
+            "aqt_mode": cfg.aqt_mode,
+        }
         self.gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
         self.up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
         self.down = DenseGeneral((cfg.mlp_dim,), (cfg.d_model,), ("mlp", "embed"), **dense)
@@ -153,6 +163,7 @@ class Llama(nnx.Module):
             ("embed", "vocab"),
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
+            aqt_mode=cfg.aqt_mode,
             rngs=rngs,
         )
 
