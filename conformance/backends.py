@@ -29,6 +29,7 @@ from conformance.trees import (
     flatten_state,
     join_path,
     map_paths,
+    refill,
     specs,
     unflatten,
 )
@@ -78,7 +79,7 @@ class LinenRunner:
 
     def tree(self, flat: Mapping[str, Any]) -> Any:
         """The module's parameter tree (with Qwix's quantized nodes, if any) holding ``flat``."""
-        return jax.tree_util.tree_map_with_path(lambda k, _: flat[join_path(k)], self._abstract)
+        return refill(self._abstract, flat)
 
     def quantize(self, float_params: Flat) -> Flat:
         """Quantized parameters for this runner, made from the float runner's ``float_params``."""

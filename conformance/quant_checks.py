@@ -32,7 +32,7 @@ from conformance.checks import (
 )
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
-from conformance.quant import MODES, QuantMode, unused_rules
+from conformance.quant import MODES, unused_rules
 from conformance.sharding import MeshSpec, spec_to_json
 from conformance.trees import Flat, PathMapError, flatten_state, map_paths, structure_diff
 
@@ -92,27 +92,44 @@ def check_quant_params(family: Family, config: Any, mesh: MeshSpec, quant: str) 
     }
 
 
-def _relative_error(quantized: np.ndarray, reference: np.ndarray) -> float:
-    """``||quantized - reference|| / ||reference||`` in float64."""
+def check_error_bound(
+    family: Family, check: str, where: str, quantized: Any, reference: Any, bound: float
+) -> None:
+    """Quantized logits differ from float ``reference`` logits, by at most ``bound``.
+
+    The measure is the relative L2 error ``||quantized - reference|| / ||reference||``;
+    an error of exactly zero fails, as it means quantization did nothing.
+    """
     q, r = np.asarray(quantized, np.float64), np.asarray(reference, np.float64)
-    return float(np.linalg.norm(q - r) / max(np.linalg.norm(r), np.finfo(np.float64).tiny))
-
-
-def _check_error(family: Family, side: str, mode: QuantMode, error: float, mesh: MeshSpec) -> None:
-    where = f"{side} {mode.name} on mesh {mesh.id}"
+    error = float(np.linalg.norm(q - r) / max(np.linalg.norm(r), np.finfo(np.float64).tiny))
     if error == 0.0:
         fail(
             family,
-            "quant_forward",
+            check,
             f"{where}: quantized logits equal the float logits exactly; quantization did nothing",
         )
-    if not error <= mode.max_error:
+    if not error <= bound:
         fail(
             family,
-            "quant_forward",
+            check,
             f"{where}: relative L2 error of quantized vs float logits is {error:.4g}, "
-            f"above the mode's bound {mode.max_error}",
+            f"above the bound {bound}",
         )
+
+
+def float_params(
+    family: Family, check: str, config: Any, mesh: MeshSpec, devices: Mesh
+) -> tuple[Flat, Flat]:
+    """Linen's float parameters from its sharded init, and the same values on NNX's paths.
+
+    Initialises the NNX float runner too, so its non-parameter state is ready.
+    """
+    linen_float, nnx_float = linen_runner(family, config), nnx_runner(family, config)
+    float_map = param_map(family, check, config)
+    linen_params = linen_float.init(0, shardings_for(family, linen_float.logical, mesh, devices))
+    nnx_shardings = shardings_for(family, nnx_float.logical, mesh, devices)
+    nnx_float.init(1, nnx_shardings)
+    return linen_params, transplant(linen_params, float_map, nnx_float.specs, nnx_shardings)
 
 
 def quantized_params(
@@ -123,13 +140,8 @@ def quantized_params(
     NNX's float parameters are Linen's, transplanted; each side then quantizes its own.
     """
     check = "quant_forward"
-    linen_float, nnx_float = linen_runner(family, config), nnx_runner(family, config)
     linen, nnx_, _ = quantized_runners(family, check, config, quant)
-    float_map = param_map(family, check, config)
-    linen_params = linen_float.init(0, shardings_for(family, linen_float.logical, mesh, devices))
-    nnx_shardings = shardings_for(family, nnx_float.logical, mesh, devices)
-    nnx_float.init(1, nnx_shardings)
-    nnx_params = transplant(linen_params, float_map, nnx_float.specs, nnx_shardings)
+    linen_params, nnx_params = float_params(family, check, config, mesh, devices)
     nnx_.init(1, shardings_for(family, nnx_.logical, mesh, devices))
     return linen_params, nnx_params, linen.quantize(linen_params), nnx_.quantize(nnx_params)
 
@@ -160,7 +172,8 @@ def check_quant_forward(
         title = f"{quant} forward on mesh {mesh.id} (index: batch, position, vocab)"
         fail(family, check, report(title, [found], ("Linen", "NNX")))
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
-        _check_error(family, side, mode, _relative_error(logits, reference), mesh)
+        where = f"{side} {quant} on mesh {mesh.id}"
+        check_error_bound(family, check, where, logits, reference, mode.max_error)
 
 
 def _nnx_transients(model: nnx.Module, allowed: set[type]) -> list[str]:

@@ -129,15 +129,21 @@ def compare_steps(
 
 
 def check_train_step(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, quant: str | None = None
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    quant: str | None = None,
+    check: str | None = None,
 ) -> None:
     """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
 
     Compares per step the loss, every gradient, and the whole next state (parameters,
     Adam moments, optax counts and the step counter, which must equal the step number).
-    With ``quant`` (a QAT mode), both sides train quantized models (check ``qat_train_step``).
+    With ``quant`` (a QAT mode), both sides train quantized models. Reports are headed
+    ``check``: by default ``train_step``, or ``qat_train_step`` with ``quant``.
     """
-    check = "train_step" if quant is None else "qat_train_step"
+    check = check or ("train_step" if quant is None else "qat_train_step")
     linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices, quant=quant)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     mode = "" if quant is None else f" ({quant})"

@@ -48,6 +48,11 @@ def flatten_state(state: nnx.State) -> dict[str, nnx.Variable]:
     return {join_path(path): var for path, var in nnx.to_flat_state(state)}
 
 
+def refill(abstract: Any, flat: Mapping[str, Any], prefix: str = "") -> Any:
+    """``abstract`` (any pytree) with each leaf replaced by ``flat[prefix + its path]``."""
+    return jax.tree_util.tree_map_with_path(lambda k, _: flat[prefix + join_path(k)], abstract)
+
+
 def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     """Rebuild the nested dict a Linen collection uses from ``{canonical path: leaf}``."""
     tree: dict[str, Any] = {}

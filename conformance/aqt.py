@@ -1,0 +1,196 @@
+"""AQT (aqtp) on both backends: freeze float kernels into int8 ones, and serve from them.
+
+TRAIN mode needs nothing here: a family's ``aqt_config(config, "train")`` is an ordinary
+config, run by the runners of :mod:`conformance.backends`. CONVERT runs float
+parameters through the convert-mode model, whose forward writes every frozen kernel
+(``qvalue`` int8 plus ``scale``) to the ``aqt`` collection (in NNX an ``aqt`` Variable,
+through ``nnx.bridge``). SERVE runs the serve-mode model, whose parameters are the float
+ones less the quantized kernels, from those frozen kernels.
+
+Frozen kernels are flat ``{canonical path: array}`` dicts, like parameters:
+``layers_0/mlp/wi/AqtDotGeneral_0/qrhs/frozen/qvalue`` in Linen, ``layers/0/...`` in NNX.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import linen as nn
+from flax import nnx
+
+from conformance.backends import LinenRunner, NnxRunner, linen_runner, nnx_runner
+from conformance.families import Batch, Family
+from conformance.sharding import Logical, linen_logical
+from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
+
+COLLECTION = "aqt"
+"""AQT's collection of frozen tensors (``AqtDotGeneral.quant_collection``'s default)."""
+
+
+class AqtError(RuntimeError):
+    """A family's AQT modes do not produce what convert and serve need."""
+
+
+def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return batch.tokens, batch.positions, batch.segment_ids
+
+
+def frozen_variable_type() -> type[nnx.Variable[Any]]:
+    """The NNX Variable type ``nnx.bridge`` gives the ``aqt`` collection."""
+    return nnx.variable_type_from_name(COLLECTION, allow_register=True)
+
+
+class LinenAqt:
+    """A family's Linen module in AQT convert and serve modes."""
+
+    def __init__(self, family: Family, config: Any) -> None:
+        self.family = family
+        self.convert_runner: LinenRunner = linen_runner(
+            family, family.aqt_config(config, "convert")
+        )
+        self.serve_runner: LinenRunner = linen_runner(family, family.aqt_config(config, "serve"))
+        example = _inputs(family.batch(config, 1))
+        boxed = jax.eval_shape(self.serve_runner.module.init, jax.random.key(0), *example)
+        if not boxed.get(COLLECTION):
+            raise AqtError(
+                f"{family.name}: Linen init in AQT serve mode created no {COLLECTION!r} collection"
+            )
+        self.logical: dict[str, Logical] = linen_logical(boxed[COLLECTION])
+        self._abstract = nn.meta.unbox(boxed[COLLECTION])
+        self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
+        self._convert = jax.jit(self._convert_impl)
+        self._serve = jax.jit(self._serve_impl)
+
+    def _convert_impl(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        logits, state = self.convert_runner.module.apply(
+            {"params": params}, *_inputs(batch), mutable=[COLLECTION]
+        )
+        return logits, nn.meta.unbox(state[COLLECTION])
+
+    def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
+        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``."""
+        logits, frozen = self._convert(self.convert_runner.tree(params), batch)
+        return logits, flatten(frozen)
+
+    def _serve_impl(self, params: Any, frozen: Any, batch: Batch) -> jax.Array:
+        return self.serve_runner.module.apply(
+            {"params": params, COLLECTION: frozen}, *_inputs(batch)
+        )
+
+    def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
+        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels."""
+        return self._serve(self.serve_runner.tree(params), refill(self._abstract, frozen), batch)
+
+
+def _frozen_flat(variables: Mapping[str, nnx.Variable[Any]]) -> Flat:
+    """Frozen leaves keyed ``<variable path>/<leaf path in its QTensor>``, unboxed."""
+    return {
+        f"{path}/{inner}": leaf
+        for path, var in variables.items()
+        for inner, leaf in flatten(nn.meta.unbox(var.get_value())).items()
+    }
+
+
+class NnxAqt:
+    """A family's NNX module in AQT convert and serve modes.
+
+    The frozen kernels are ``aqt`` Variables holding AQT ``QTensor`` values, whose leaves
+    carry the logical names AQT's axis-metadata wrapper gave them.
+    """
+
+    def __init__(self, family: Family, config: Any) -> None:
+        self.family = family
+        self.kind = frozen_variable_type()
+        self.convert_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "convert"))
+        self.serve_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "serve"))
+        frozen = nnx.state(nnx.eval_shape(lambda: self.serve_runner.build(0)), self.kind)
+        self._vars = flatten_state(frozen)
+        if not self._vars:
+            raise AqtError(
+                f"{family.name}: the NNX module in AQT serve mode has no {COLLECTION!r} Variables"
+            )
+        self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(frozen)}
+        self.logical: dict[str, Logical] = {
+            f"{path}/{inner}": names
+            for path, var in self._vars.items()
+            for inner, names in linen_logical(var.get_value()).items()
+        }
+        self.specs: dict[str, LeafSpec] = specs(_frozen_flat(self._vars))
+        self._convert = jax.jit(self._convert_impl)
+        self._serve = jax.jit(self._serve_impl)
+
+    def state(self, frozen: Flat) -> nnx.State:
+        """An ``nnx.State`` of ``aqt`` Variables holding the flat ``frozen`` kernels."""
+        return nnx.from_flat_state(
+            [
+                (
+                    self._keys[path],
+                    var.replace(refill(nn.meta.unbox(var.get_value()), frozen, f"{path}/")),
+                )
+                for path, var in self._vars.items()
+            ]
+        )
+
+    def _convert_impl(
+        self, params: nnx.State, rest: nnx.State, batch: Batch
+    ) -> tuple[jax.Array, nnx.State]:
+        model = nnx.merge(self.convert_runner.graphdef, params, rest)
+        logits, _ = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        return logits, nnx.state(model, self.kind)
+
+    def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
+        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``.
+
+        Call ``convert_runner.init`` first: it provides the non-parameter state.
+        """
+        runner = self.convert_runner
+        if runner.rest is None:
+            raise RuntimeError("NnxAqt.convert needs convert_runner.init() first")
+        logits, frozen = self._convert(runner.state(params), runner.rest, batch)
+        return logits, _frozen_flat(flatten_state(frozen))
+
+    def _serve_impl(
+        self, params: nnx.State, rest: nnx.State, frozen: nnx.State, batch: Batch
+    ) -> jax.Array:
+        model = nnx.merge(self.serve_runner.graphdef, params, rest)
+        nnx.update(model, frozen)
+        logits, _ = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        return logits
+
+    def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
+        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels.
+
+        Call ``serve_runner.init`` first: it provides the non-parameter state.
+        """
+        runner = self.serve_runner
+        if runner.rest is None:
+            raise RuntimeError("NnxAqt.serve needs serve_runner.init() first")
+        return self._serve(runner.state(params), runner.rest, self.state(frozen), batch)
+
+
+def known_failure(check: str, scan_layers: bool) -> str | None:
+    """Why ``check`` cannot pass on this layer layout with the pinned libraries, if so."""
+    if check == "aqt_layout" and scan_layers:
+        return (
+            "flax 0.12.12 + aqtp 0.9.0: nnx.vmap's transform_metadata adds the 'layers' axis "
+            "to Variable metadata only, but AQT keeps each frozen tensor's logical names "
+            "inside the bridged 'aqt' Variable's QTensor value, so scanned NNX frozen kernels "
+            "keep per-layer names (3 names for the 4-dim attn/out qvalue) and cannot be "
+            "sharded; Linen's nn.scan adds 'layers' to them"
+        )
+    return None
+
+
+@functools.cache
+def linen_aqt(family: Family, config: Any) -> LinenAqt:
+    """The cached :class:`LinenAqt` for ``(family, config)``."""
+    return LinenAqt(family, config)
+
+
+@functools.cache
+def nnx_aqt(family: Family, config: Any) -> NnxAqt:
+    """The cached :class:`NnxAqt` for ``(family, config)``."""
+    return NnxAqt(family, config)
