@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from aqt.jax.v2 import config as aqt_config
 from flax import nnx
 from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.utils import flax_util as qwix_flax_util
@@ -283,6 +284,50 @@ def _keeps_transients(model):
     del model
 
 
+def _requantize(dense: nnx.Module, **fully_quantized: Any) -> None:
+    """Give an NNX ``DenseGeneral``'s bridged AQT layer another ``fully_quantized`` config."""
+    options = {"fwd_bits": 8, "bwd_bits": 8, "use_stochastic_rounding": False} | fully_quantized
+    bridged = dense.AqtDotGeneral_0
+    bridged.to_nnx__module = bridged.to_nnx__module.clone(cfg=aqt_config.fully_quantized(**options))
+
+
+class AqtDropped(_NnxConfigFault, Gpt3Family):
+    """The AQT mode never reaches NNX: its projections stay float."""
+
+    changes: ClassVar[dict[str, Any]] = {"aqt_mode": None}
+
+
+class AqtSevenBits(Gpt3Family):
+    """NNX block 0's MLP input projection is quantized to 7 bits, not 8, by AQT."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        if config.aqt_mode is not None:
+            _requantize(model.layers[0].mlp.wi, fwd_bits=7)
+        return model
+
+
+class AqtFloatBackward(LlamaFamily):
+    """NNX block 1's MLP down projection quantizes its forward but not its gradients."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        if config.aqt_mode is not None:
+            _requantize(model.layers[1].mlp.down, bwd_bits=None)
+        return model
+
+
+class AqtServeKeepsFloatKernel(Gpt3Family):
+    """NNX's serve-mode model still holds block 0's float MLP input kernel."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        if config.aqt_mode == "serve":
+            float_model = super().nnx_module(dataclasses.replace(config, aqt_mode=None), rngs)
+            model.layers[0].mlp.wi.kernel = float_model.layers[0].mlp.wi.kernel
+        return model
+
+
 _restore = checkpoints.restore
 
 
@@ -311,10 +356,10 @@ class Fault:
 
     @property
     def id(self) -> str:
-        """Test id: the fault's class name, or the patched attribute."""
+        """Test id: the fault's class name, or the check and the patched attribute."""
         if self.patch is not None:
             owner = getattr(self.patch[0], "__name__", "").rsplit(".", 1)[-1]
-            return f"{owner}.{self.patch[1]}={self.patch[2].__name__.lstrip('_')}"
+            return f"{self.check}:{owner}.{self.patch[1]}={self.patch[2].__name__.lstrip('_')}"
         return type(self.family).__name__
 
 
@@ -484,5 +529,37 @@ FAULTS = (
         ),
         patch=(checkpoints, "restore", _zero_fills_qvalue),
         quant="ptq_int8",
+    ),
+    Fault(
+        AqtDropped(),
+        "aqt_forward",
+        ("AQT int8 TRAIN forward on mesh fsdp8", "logits"),
+    ),
+    Fault(
+        AqtFloatBackward(),
+        "aqt_train_step",
+        ("step 1 of", "layers/1/mlp/down/kernel"),
+    ),
+    Fault(
+        AqtServeKeepsFloatKernel(),
+        "aqt_layout",
+        ("NNX layers/0/mlp/wi/kernel: frozen, yet the float kernel is still a serve parameter",),
+    ),
+    Fault(
+        AqtSevenBits(),
+        "aqt_convert",
+        (
+            "frozen kernels (qvalue, scale) after CONVERT on mesh fsdp8",
+            "layers/0/mlp/wi/AqtDotGeneral_0/qrhs/frozen/qvalue",
+        ),
+    ),
+    Fault(
+        Gpt3(),
+        "aqt_serve",
+        (
+            "Linen AQT serve tree after an orbax round trip",
+            "aqt/layers_0/attn/out/AqtDotGeneral_0/qrhs/frozen/qvalue",
+        ),
+        patch=(checkpoints, "restore", _zero_fills_qvalue),
     ),
 )

@@ -5,6 +5,13 @@ from pathlib import Path
 import pytest
 
 from conformance import families
+from conformance.aqt_checks import (
+    check_aqt_convert,
+    check_aqt_forward,
+    check_aqt_layout,
+    check_aqt_serve,
+    check_aqt_train_step,
+)
 from conformance.checkpoint_checks import check_checkpoint_conversion, restore_checked
 from conformance.checkpoints import CheckpointInfo, expected_layout, save
 from conformance.checks import (
@@ -80,6 +87,16 @@ def run_check(fault: Fault, workdir: Path) -> None:
             check_quant_hygiene(family, config, MESH, fault.quant)
         case "quant_checkpoint":
             check_quant_checkpoint(family, config, MESH, MESH.devices(), fault.quant, workdir)
+        case "aqt_forward":
+            check_aqt_forward(family, config, MESH, MESH.devices())
+        case "aqt_train_step":
+            check_aqt_train_step(family, config, MESH, MESH.devices())
+        case "aqt_layout":
+            check_aqt_layout(family, config, MESH)
+        case "aqt_convert":
+            check_aqt_convert(family, config, MESH, MESH.devices())
+        case "aqt_serve":
+            check_aqt_serve(family, config, MESH, MESH.devices(), workdir)
         case "optimizer_sharding":
             check_optimizer_sharding(family, config, MESH)
         case _:
