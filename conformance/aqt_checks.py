@@ -25,6 +25,7 @@ from conformance.checks import (
     agreed_specs,
     fail,
     fail_if_any,
+    leaf_table,
     param_map,
     place_batch,
     shardings_for,
@@ -32,7 +33,7 @@ from conformance.checks import (
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant_checks import check_error_bound, float_params
-from conformance.sharding import MeshSpec, spec_to_json
+from conformance.sharding import MeshSpec
 from conformance.train_checks import check_train_step
 from conformance.trees import PathMapError, map_paths, structure_diff
 
@@ -132,8 +133,8 @@ def check_aqt_layout(family: Family, config: Any, mesh: MeshSpec) -> dict[str, A
         ("Linen", linen, linen_runner(family, config)),
         ("NNX", nnx_, nnx_runner(family, config)),
     ):
-        serve = set(aqt.serve_runner.specs)
-        problems += _kernel_less(side, set(float_runner.specs), serve, set(aqt.specs))
+        serve_paths = set(aqt.serve_runner.specs)
+        problems += _kernel_less(side, set(float_runner.specs), serve_paths, set(aqt.specs))
     fail_if_any(
         family, check, "serve parameters are not the float ones less the frozen kernels", problems
     )
@@ -142,20 +143,10 @@ def check_aqt_layout(family: Family, config: Any, mesh: MeshSpec) -> dict[str, A
     serve_map = param_map(family, check, family.aqt_config(config, "serve"))
     _, serve_specs = agreed_specs(family, check, linen.serve_runner, serve, serve_map, mesh)
 
-    def leaves(specs: Any, resolved: Any) -> dict[str, Any]:
-        return {
-            path: {
-                "shape": list(spec.shape),
-                "dtype": spec.dtype,
-                "spec": spec_to_json(resolved[path], len(spec.shape)),
-            }
-            for path, spec in sorted(specs.items())
-        }
-
     return {
         "mesh": dict(mesh.axes),
-        COLLECTION: leaves(nnx_.specs, nnx_specs),
-        "serve_params": leaves(serve.specs, serve_specs),
+        COLLECTION: leaf_table(nnx_.specs, nnx_specs),
+        "serve_params": leaf_table(serve.specs, serve_specs),
     }
 
 

@@ -143,6 +143,20 @@ def check_sharding(
     }
 
 
+def leaf_table(
+    specs: Mapping[str, LeafSpec], resolved: Mapping[str, PartitionSpec]
+) -> dict[str, dict[str, Any]]:
+    """``{path: {"shape", "dtype", "spec"}}`` for every leaf, sorted by path (a golden's body)."""
+    return {
+        path: {
+            "shape": list(spec.shape),
+            "dtype": spec.dtype,
+            "spec": spec_to_json(resolved[path], len(spec.shape)),
+        }
+        for path, spec in sorted(specs.items())
+    }
+
+
 class Sharded(Protocol):
     """One side's leaves: logical axis names and shapes, by path."""
 

@@ -25,6 +25,7 @@ from conformance.checks import (
     agreed_specs,
     fail,
     fail_if_any,
+    leaf_table,
     param_map,
     place_batch,
     resolve_all,
@@ -33,7 +34,7 @@ from conformance.checks import (
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant import MODES, unused_rules
-from conformance.sharding import MeshSpec, spec_to_json
+from conformance.sharding import MeshSpec
 from conformance.trees import Flat, PathMapError, flatten_state, map_paths, structure_diff
 
 
@@ -81,14 +82,7 @@ def check_quant_params(family: Family, config: Any, mesh: MeshSpec, quant: str) 
         "mode": quant,
         "mesh": dict(mesh.axes),
         "leaf_count": len(nnx_.specs),
-        "leaves": {
-            path: {
-                "shape": list(spec.shape),
-                "dtype": spec.dtype,
-                "spec": spec_to_json(nnx_specs[path], len(spec.shape)),
-            }
-            for path, spec in sorted(nnx_.specs.items())
-        },
+        "leaves": leaf_table(nnx_.specs, nnx_specs),
     }
 
 
