@@ -194,7 +194,7 @@ def convert(
         table = layer_table(
             family.layer_stack_rules(loop_config), linen_runner(family, loop_config).specs
         )
-        state = restack(state, table, to_scan=scan_layers)
+        state = restack(state, table, scan_layers, family.layer_stack_axis)
     if backend == "nnx":
         state = _rename(state, map_state_paths(path_map(family, dst_config), state))
     state = cast_counters(state, expected_layout(family, dst_config, backend))

@@ -39,7 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="NAME",
-        help="run only this family (repeatable); default: every registered family",
+        help="run only this family, or the families a glob such as 'maxtext-*' matches "
+        "(repeatable); default: every registered family",
     )
     group.addoption(
         "--mesh",
@@ -71,8 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "quant_method(name): parametrize `quant` only over modes of this method"
     )
     try:
-        names = config.getoption("family") or list(registry.registry())
-        config.stash[_FAMILIES] = [registry.get(name) for name in names]
+        config.stash[_FAMILIES] = registry.select(config.getoption("family"))
         config.stash[_MESHES] = {
             "mesh": [parse_mesh(s) for s in config.getoption("mesh") or DEFAULT_MESHES],
             "topology": [parse_mesh(s) for s in config.getoption("topology") or DEFAULT_TOPOLOGIES],
@@ -123,6 +123,8 @@ def _quant_values(family: registry.Family, metafunc: pytest.Metafunc) -> list[An
 def _marks(
     family: registry.Family, case: dict[str, Any], needs: list[str]
 ) -> list[pytest.MarkDecorator]:
+    if (reason := family.unavailable()) is not None:
+        return [pytest.mark.skip(reason=f"{family.name}: {reason}")]
     scan = case.get("scan_layers")
     if scan is not None and scan not in family.capabilities.scan_layers:
         layout = "scan_layers" if scan else "a layer list"
@@ -132,7 +134,9 @@ def _marks(
     missing = [name for name in needs if not getattr(family.capabilities, name)]
     if missing:
         declared = ", ".join(f"{name}=True" for name in missing)
-        return [pytest.mark.skip(reason=f"{family.name} does not declare Capabilities({declared})")]
+        why = "; ".join(family.unsupported[name] for name in missing if name in family.unsupported)
+        reason = f"{family.name} does not declare Capabilities({declared})"
+        return [pytest.mark.skip(reason=f"{reason}: {why}" if why else reason)]
     return []
 
 
@@ -163,7 +167,8 @@ def check_name(item: pytest.Item) -> str:
 
 def _family_of(item: pytest.Item) -> registry.Family | None:
     callspec = getattr(item, "callspec", None)
-    return None if callspec is None else callspec.params.get("family")
+    family = None if callspec is None else callspec.params.get("family")
+    return family if isinstance(family, registry.Family) else None
 
 
 def _golden_of(item: pytest.Item) -> Path | None:
@@ -183,6 +188,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         family = _family_of(item)
         if family is not None:
             item.user_properties.append(("conformance", (family.name, check_name(item))))
+            if (reason := known_divergence(family, item)) is not None:
+                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+def known_divergence(family: registry.Family, item: pytest.Item) -> str | None:
+    """The reason ``family`` declares ``item``'s check a known divergence, if it does."""
+    check, case = check_name(item), item.callspec.id
+    for key, reason in family.known_divergences.items():
+        name, _, fragment = key.partition("[")
+        if name == check and fragment.removesuffix("]") in case:
+            return f"{family.name} known divergence: {reason}"
+    return None
 
 
 @pytest.hookimpl(wrapper=True)

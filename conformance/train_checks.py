@@ -207,10 +207,12 @@ def _to_variant(family: Family, config: Any, changed: Any, side: str, variant: s
         family.layer_stack_rules(config), linen_trainer(family, config).runner.specs
     )
     if side == "Linen":
-        return lambda flat: restack(flat, table, to_scan=True)
+        return lambda flat: restack(flat, table, True, family.layer_stack_axis)
     to_linen = {v: k for k, v in param_map(family, "layout", config).items()}
     to_nnx = param_map(family, "layout", changed)
-    return lambda flat: _renamed(restack(_renamed(flat, to_linen), table, to_scan=True), to_nnx)
+    return lambda flat: _renamed(
+        restack(_renamed(flat, to_linen), table, True, family.layer_stack_axis), to_nnx
+    )
 
 
 def check_layout_invariance(

@@ -115,13 +115,18 @@ class LeafSpec:
     def of(cls, leaf: Any) -> LeafSpec:
         """The spec of an array, a ``ShapeDtypeStruct`` or an NNX Variable holding either.
 
+        Typed PRNG keys keep their extended dtype's name (``key<fry>``).
+
         A Variable holding a tuple (as sown intermediates do) is described by its first
         array.
         """
         value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
         if not hasattr(value, "shape"):
             value = jax.tree.leaves(value)[0]
-        return cls(tuple(int(d) for d in value.shape), str(np.dtype(value.dtype)))
+        dtype = value.dtype
+        if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            dtype = np.dtype(dtype)
+        return cls(tuple(int(d) for d in value.shape), str(dtype))
 
     def __str__(self) -> str:
         return f"{self.dtype}{list(self.shape)}"
@@ -209,13 +214,15 @@ def layer_table(rules: PathRules, per_layer_paths: Iterable[str]) -> dict[str, l
     return table
 
 
-def restack(flat: Mapping[str, Any], table: Mapping[str, list[str]], to_scan: bool) -> Flat:
+def restack(
+    flat: Mapping[str, Any], table: Mapping[str, list[str]], to_scan: bool, axis: int = 0
+) -> Flat:
     """Stack per-layer leaves into the scanned layout (``to_scan``) or split them back.
 
     ``table`` comes from :func:`layer_table`. Any path ending in one of its parameter
     paths (the parameter itself, or an optimizer moment mirroring it) is converted: its
-    layers stacked on a new axis 0 in layer order, or a stacked leaf split along axis 0.
-    Other paths pass through unchanged.
+    layers stacked on a new ``axis`` in layer order, or a stacked leaf split along
+    ``axis``. Other paths pass through unchanged.
     """
     result: Flat = {}
     if not to_scan:
@@ -226,7 +233,7 @@ def restack(flat: Mapping[str, Any], table: Mapping[str, list[str]], to_scan: bo
                 continue
             prefix, stacked = found
             for index, param in enumerate(table[stacked]):
-                result[_join(prefix, param)] = np.asarray(value)[index]
+                result[_join(prefix, param)] = np.take(np.asarray(value), index, axis=axis)
         return result
     owner = {param: stacked for stacked, params in table.items() for param in params}
     groups: dict[tuple[str, str], dict[str, Any]] = {}
@@ -238,5 +245,7 @@ def restack(flat: Mapping[str, Any], table: Mapping[str, list[str]], to_scan: bo
         prefix, param = found
         groups.setdefault((prefix, owner[param]), {})[param] = value
     for (prefix, stacked), layers in groups.items():
-        result[_join(prefix, stacked)] = np.stack([np.asarray(layers[p]) for p in table[stacked]])
+        result[_join(prefix, stacked)] = np.stack(
+            [np.asarray(layers[p]) for p in table[stacked]], axis=axis
+        )
     return result

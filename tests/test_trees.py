@@ -80,6 +80,16 @@ def test_restack_round_trips_parameters_and_their_moments():
     assert all(np.array_equal(back[p], flat[p]) for p in flat)
 
 
+def test_restack_stacks_on_the_axis_asked_for():
+    flat = {"layers_0/w": np.zeros((2, 3)), "layers_1/w": np.ones((2, 3))}
+    table = layer_table(STACK, list(flat))
+    stacked = restack(flat, table, to_scan=True, axis=1)
+    assert stacked["layers/w"].shape == (2, 2, 3)
+    assert stacked["layers/w"][:, 1].tolist() == np.ones((2, 3)).tolist()
+    back = restack(stacked, table, to_scan=False, axis=1)
+    assert all(np.array_equal(back[p], flat[p]) for p in flat)
+
+
 def test_map_state_paths_follows_parameter_suffixes():
     mapping = map_state_paths(
         {"layers_0/w": "layers/0/w"}, ["model/layers_0/w", "opt/1/0/mu/layers_0/w", "step"]
