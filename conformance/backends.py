@@ -126,6 +126,12 @@ class NnxRunner:
         self._abstract_vars = flatten_state(params)
         self.logical: dict[str, Logical] = nnx_logical(params)
         self.specs: dict[str, LeafSpec] = specs(self._abstract_vars)
+        self.rng_streams: list[str] = sorted(
+            path
+            for path, var in flatten_state(self._abstract_rest).items()
+            if isinstance(var, nnx.RngState)
+        )
+        """Paths of the model's RNG stream variables (kept out of train states)."""
         self._forward = jax.jit(self._forward_impl)
         self._init_fns: dict[Any, Any] = {}
         self.rest: nnx.State | None = None

@@ -87,7 +87,9 @@ def param_map(family: Family, check: str, config: Any) -> dict[str, str]:
 def check_structure(family: Family, config: Any) -> dict[str, Any]:
     """Both sides have the same leaves, shapes and dtypes after the path map.
 
-    Returns the golden payload: leaf count and ``{nnx path: {shape, dtype}}``.
+    Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
+    NNX model's RNG stream variables, which have no Linen counterpart and which train
+    states leave out (see :mod:`conformance.training`).
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = map_paths(family.path_rules(config), linen.specs)
@@ -98,6 +100,7 @@ def check_structure(family: Family, config: Any) -> dict[str, Any]:
         "leaf_count": len(nnx_.specs),
         "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
         "leaves": {p: {"shape": list(s.shape), "dtype": s.dtype} for p, s in nnx_.specs.items()},
+        "nnx_rng_streams": nnx_.rng_streams,
     }
 
 
@@ -210,7 +213,7 @@ def _check_placement(
 
 def place_batch(family: Family, batch: Batch, mesh: MeshSpec, devices: Mesh) -> Batch:
     """``batch`` with its batch dimension sharded by the family's ``batch`` rule."""
-    spec = resolve_spec(("batch", None), family.logical_axis_rules(), mesh)
+    spec = resolve_spec((family.batch_axis, None), family.logical_axis_rules(), mesh)
     sharding = NamedSharding(devices, spec)
     return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
 

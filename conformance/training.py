@@ -10,6 +10,12 @@ each row are masked out), optimised with AdamW under a warmup-cosine schedule af
 global-norm clipping. With ``micro_batches > 1`` the batch is split along its first axis,
 and summed losses, token counts and gradients are accumulated before one update, so
 the result equals a step on the whole batch.
+
+NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
+variables; Linen takes them per call. The NNX train state leaves them out, so both train
+states hold the same leaves: each step draws fresh streams from its step counter, as the
+Linen step folds the step into its dropout key, and a checkpoint holds no RNG streams on
+either side. :func:`conformance.checks.check_structure` lists the streams it set aside.
 """
 
 from __future__ import annotations
@@ -164,6 +170,28 @@ class LinenTrainer:
         return _step_fns(self._steps.setdefault(dropout, {}), step, shardings, int(dropout))
 
 
+STREAMS_SEED = 0
+"""Seed of the RNG streams an NNX train step draws (folded with the step counter)."""
+
+
+def step_streams(abstract: nnx.State, step: jax.Array) -> nnx.State:
+    """RNG streams for ``step`` shaped like ``abstract``: fresh keys, counters at zero.
+
+    Each key leaf gets its own key, a function of its position and ``step`` only, so a
+    step is deterministic and successive steps draw different dropout masks.
+    """
+    leaves, treedef = jax.tree.flatten(abstract)
+    base = jax.random.fold_in(jax.random.key(STREAMS_SEED), step)
+    streams = []
+    for index, leaf in enumerate(leaves):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            key = jax.random.fold_in(base, index)
+            streams.append(jax.random.split(key, leaf.shape) if leaf.shape else key)
+        else:
+            streams.append(jnp.zeros(leaf.shape, leaf.dtype))
+    return jax.tree.unflatten(treedef, streams)
+
+
 class NnxTrainState(nnx.Module):
     """The NNX train state: the model and its optimizer, split and merged as one."""
 
@@ -194,7 +222,9 @@ class NnxTrainer:
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
-        self.graphdef, self.abstract_state = nnx.split(abstract)
+        self.graphdef, self.abstract_streams, self.abstract_state = nnx.split(
+            abstract, nnx.RngState, ...
+        )
         self._vars = flatten_state(self.abstract_state)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
@@ -207,7 +237,7 @@ class NnxTrainer:
 
         def create(params_state: nnx.State, rest: nnx.State) -> nnx.State:
             model = nnx.merge(self.runner.graphdef, params_state, rest)
-            return nnx.state(NnxTrainState(model, self.tx))
+            return nnx.state(NnxTrainState(model, self.tx), nnx.Not(nnx.RngState))
 
         return jax.jit(create)(self.runner.state(params), self.runner.rest)
 
@@ -220,7 +250,8 @@ class NnxTrainer:
     def _step(
         self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None
     ) -> Any:
-        train = nnx.merge(self.graphdef, state)
+        streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
+        train = nnx.merge(self.graphdef, streams, state)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
             return self.loss(self.forward(model, micro), micro)
@@ -231,7 +262,7 @@ class NnxTrainer:
         )
         grads = jax.tree.map(lambda g: g / count, grads)
         train.optimizer.update(train.model, grads)
-        return nnx.state(train), {"loss": loss_sum / count, "grads": grads}
+        return nnx.state(train, nnx.Not(nnx.RngState)), {"loss": loss_sum / count, "grads": grads}
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""

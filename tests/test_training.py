@@ -1,0 +1,50 @@
+"""NNX RNG streams are kept out of train states: listed, redrawn per step, nothing else hidden."""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from conformance import families
+from conformance.training import flat_state, linen_trainer, nnx_trainer, step_streams
+
+
+def _dropout_config():
+    family = families.get("gpt3")
+    return family, dataclasses.replace(family.config("tiny", scan_layers=False), dropout_rate=0.1)
+
+
+def test_rng_streams_are_listed_and_left_out_of_the_train_state():
+    family, config = _dropout_config()
+    trainer = nnx_trainer(family, config)
+    streams = trainer.runner.rng_streams
+    assert streams, "gpt3 with dropout should carry RNG streams"
+    assert all(p.endswith(("/key", "/count")) for p in streams)
+    state = flat_state(trainer.abstract_state)
+    assert not [p for p in state if p.removeprefix("model/") in streams]
+    linen_leaves = len(jax.tree.leaves(linen_trainer(family, config).abstract_state))
+    assert len(state) == linen_leaves
+
+
+def test_step_streams_are_a_function_of_the_step_alone():
+    family, config = _dropout_config()
+    abstract = nnx_trainer(family, config).abstract_streams
+
+    def keys(step):
+        leaves = jax.tree.leaves(step_streams(abstract, np.uint32(step)))
+        return [
+            np.asarray(jax.random.key_data(x))
+            for x in leaves
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        ]
+
+    first, again, second = keys(0), keys(0), keys(1)
+    assert first
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not any(np.array_equal(a, b) for a, b in zip(first, second, strict=True))
+    assert len({a.tobytes() for a in first}) == len(first), "streams must not share a key"
+    counts = [
+        x for x in jax.tree.leaves(step_streams(abstract, np.uint32(3))) if x.dtype == "uint32"
+    ]
+    assert counts
+    assert all(int(c) == 0 for c in counts)
