@@ -1,0 +1,94 @@
+"""The harness-side config of a MaxText family and its MaxText ``HyperParameters``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+SEQ_LEN = 16
+"""Tokens per row of every batch (MaxText's ``max_target_length``)."""
+
+_FIXED: Mapping[str, Any] = {
+    "run_name": "conformance",
+    "enable_checkpointing": False,
+    "skip_jax_distributed_system": True,
+    "per_device_batch_size": 1,
+    "max_target_length": SEQ_LEN,
+    "max_prefill_predict_length": SEQ_LEN // 2,
+    "attention": "dot_product",
+    "matmul_precision": "highest",
+    "weight_dtype": "float32",
+    "enable_dropout": True,
+}
+"""Overrides every family gets: tiny CPU-friendly shapes, reference attention, f32 weights."""
+
+_BACKENDS: Mapping[str, Mapping[str, bool]] = {
+    "linen": {"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False},
+    "nnx": {"pure_nnx": True, "enable_nnx": True, "pure_nnx_decoder": True},
+}
+"""MaxText's switches for its pure Linen ``TransformerLinenPure`` and its NNX ``Transformer``."""
+
+
+def _frozen(value: Any) -> Any:
+    """A yaml value made hashable: lists become tuples."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def _thawed(value: Any) -> Any:
+    """The yaml value back from :func:`_frozen`: tuples become lists."""
+    return [_thawed(v) for v in value] if isinstance(value, tuple) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextConfig:
+    """One MaxText model as the harness sees it: hashable, and varied with ``replace``.
+
+    ``overrides`` are MaxText config keys (as given on its command line) applied on top
+    of ``model_name``'s yml; the remaining fields are the knobs the suite varies.
+    ``remat`` picks MaxText's ``remat_policy``: ``"full"`` when set, else ``"minimal"``
+    (MaxText always wraps its layers in ``nn.remat``; only the policy changes).
+    """
+
+    model_name: str
+    overrides: tuple[tuple[str, Any], ...]
+    scan_layers: bool
+    remat: bool = False
+    dropout_rate: float = 0.0
+    dtype: Any = jnp.float32
+    quantization: str = ""
+    """MaxText's ``quantization`` key for Qwix (``use_qwix_quantization``); empty for float."""
+
+    @classmethod
+    def create(cls, model_name: str, overrides: Mapping[str, Any], **fields: Any) -> MaxTextConfig:
+        """A config from plain (yaml-like) override values."""
+        return cls(model_name, tuple((k, _frozen(v)) for k, v in overrides.items()), **fields)
+
+    def keys(self, backend: str) -> dict[str, Any]:
+        """Every MaxText config key this config sets, for ``backend`` ``"linen"`` or ``"nnx"``."""
+        keys = {k: _thawed(v) for k, v in self.overrides}
+        keys |= dict(_FIXED) | dict(_BACKENDS[backend])
+        keys |= {
+            "model_name": self.model_name,
+            "scan_layers": self.scan_layers,
+            "remat_policy": "full" if self.remat else "minimal",
+            "dropout_rate": self.dropout_rate,
+            "dtype": jnp.dtype(self.dtype).name,
+        }
+        if self.quantization:
+            keys |= {"quantization": self.quantization, "use_qwix_quantization": True}
+        return keys
+
+
+@functools.cache
+def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
+    """MaxText's ``HyperParameters`` for ``config`` on ``backend`` (cached: pyconfig is slow)."""
+    from maxtext.configs import pyconfig  # optional dependency
+
+    output = os.path.join(tempfile.gettempdir(), "conformance-maxtext")
+    return pyconfig.initialize([""], base_output_directory=output, **config.keys(backend))

@@ -1,0 +1,210 @@
+"""MaxText families registered through the ``conformance.families`` entry point group.
+
+Each family is one MaxText model shrunk by MaxText's own ``base_*`` overrides, built
+twice by MaxText itself: its pure Linen ``TransformerLinenPure`` (``pure_nnx``,
+``enable_nnx``, ``pure_nnx_decoder`` all False) and its NNX ``Transformer`` (all True).
+Nothing here imports ``maxtext`` until a test needs a model, so the families load
+without it and :meth:`MaxTextFamily.unavailable` gives the skip reason.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+from conformance.families import (
+    Batch,
+    Capabilities,
+    Family,
+    LogicalRules,
+    PathRules,
+    QuantScope,
+)
+from models.data import make_batch
+from models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
+
+MAXTEXT_VERSION = "0.2.4"
+"""The release the adapter targets: the last one with both a Linen and an NNX path."""
+
+INSTALL_HINT = "pip install -e '.[maxtext]'"
+
+
+class MaxTextFamily(Family):
+    """A MaxText model, ``model_name`` shrunk by ``overrides``, as a conformance family."""
+
+    sizes = ("tiny",)
+    batch_axis = "activation_batch"
+    layer_stack_axis = 1
+    model_name: ClassVar[str]
+    """The MaxText model (a yml under ``maxtext/configs/models``)."""
+    overrides: ClassVar[Mapping[str, Any]]
+    """MaxText config keys set on top of the model's yml (``override_model_config`` is on)."""
+
+    capabilities = Capabilities(quantization=frozenset({"qat_int8"}))
+
+    unsupported = MappingProxyType(
+        {
+            "decode": "MaxText prefills one request per call (true_length, slot) and decodes "
+            "every row at one shared cache index; the suite's decode contract (a batch of "
+            "right-padded prompts of different lengths, each decoded at its own position) "
+            "would need MaxText's inference engine re-implemented in the adapter",
+            "aqt": "MaxText's AQT path (quantization without use_qwix_quantization) builds its "
+            "own AqtDotGeneral per layer; the suite's AQT checks drive a family through "
+            "Family.aqt_config, which the adapter does not map yet",
+        }
+    )
+
+    def unavailable(self) -> str | None:
+        """Why MaxText families cannot run here: maxtext missing, or another version."""
+        try:
+            version = importlib.metadata.version("maxtext")
+        except importlib.metadata.PackageNotFoundError:
+            return f"maxtext is not installed ({INSTALL_HINT})"
+        if version != MAXTEXT_VERSION:
+            return f"maxtext {version} is installed; the adapter needs {MAXTEXT_VERSION}"
+        return None
+
+    def config(
+        self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32
+    ) -> MaxTextConfig:
+        """The tiny model with the given layer layout and compute dtype."""
+        if size not in self.sizes:
+            raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
+        overrides = {"override_model_config": True, **_TINY, **self.overrides}
+        return MaxTextConfig.create(
+            self.model_name, overrides, scan_layers=scan_layers, dtype=dtype
+        )
+
+    def linen_module(self, config: MaxTextConfig) -> nn.Module:
+        """MaxText's ``TransformerLinenPure`` for ``config``."""
+        from models.maxtext.modules import linen_transformer
+
+        return linen_transformer(config)
+
+    def nnx_module(self, config: MaxTextConfig, rngs: nnx.Rngs) -> nnx.Module:
+        """MaxText's NNX ``Transformer`` for ``config``."""
+        from models.maxtext.modules import nnx_transformer
+
+        return nnx_transformer(config, rngs)
+
+    def batch(self, config: MaxTextConfig, batch_size: int, seed: int = 0) -> Batch:
+        """A padded batch of :data:`SEQ_LEN` tokens per row (segment id 0 on padding)."""
+        vocab = hyperparameters(config, "linen").vocab_size
+        return make_batch(vocab, SEQ_LEN, batch_size, seed)
+
+    def layer_stack_rules(self, config: MaxTextConfig) -> PathRules:
+        r"""MaxText stacks ``decoder/<stack>_<i>/`` into ``decoder/<stack>/`` on axis 1.
+
+        ``<stack>`` is ``layers``, or ``dense_layers`` and ``moe_layers`` for DeepSeek.
+        """
+        del config
+        return ((r"^decoder/(?P<stack>[a-z_]+?)_(?P<layer>\d+)/", r"decoder/\g<stack>/"),)
+
+    def quantization_scope(self, config: MaxTextConfig) -> QuantScope:
+        """The scope of MaxText's own Qwix rule (``use_qwix_quantization``): decoder layers."""
+        del config
+        return QuantScope(module_path="decoder/.*layers.*", op_names=("dot_general",))
+
+    def logical_axis_rules(self) -> LogicalRules:
+        """MaxText's own rules: ``base.yml`` merged with the model's yml."""
+        config = self.config("tiny", scan_layers=False)
+        return tuple(
+            (name, tuple(target) if isinstance(target, list) else target)
+            for name, target in hyperparameters(config, "linen").logical_axis_rules
+        )
+
+
+_BF16_ATTEND = (
+    "MaxText's attend() (layers/embeddings.py) casts the tied embedding table to bfloat16 "
+    "even in a float32 model, so the token-embedding gradient is bf16-rounded and is not "
+    "additive over micro-batches (both backends alike; up to 2.5e-4 apart on 4 micro-batches)"
+)
+_NOT_LOCALISED = (
+    "same loss, but attention-projection gradients far apart (up to {gap}, {leaves} leaves) "
+    "on both backends alike; plain jax.grad of the Linen model on one device is additive "
+    "to 2e-6 apart from the tied embedding, so the gap needs the sharded step: not localised"
+)
+_TINY = MappingProxyType({"base_num_decoder_layers": 2, "vocab_size": 256})
+_SMALL_ATTENTION = MappingProxyType(
+    {
+        "base_emb_dim": 64,
+        "base_num_query_heads": 4,
+        "base_num_kv_heads": 2,
+        "base_mlp_dim": 128,
+        "head_dim": 16,
+    }
+)
+
+
+class MaxTextGpt3(MaxTextFamily):
+    """``gpt3-52k`` with two layers: learned positions, fused QKV with biases, tied logits."""
+
+    name = "maxtext-gpt3"
+    model_name = "gpt3-52k"
+    overrides = MappingProxyType({})
+    known_divergences = MappingProxyType(
+        {
+            "grad_accumulation": _BF16_ATTEND,
+            "layout": "the key bias of the fused qkv_proj has a zero true gradient (softmax "
+            "ignores a per-query shift), so its gradient is rounding noise, which Adam "
+            "scales to steps of up to the learning rate; the noise, and so the step, differs "
+            "between remat policies and between scanned and unrolled layers",
+        }
+    )
+
+
+class MaxTextLlama2(MaxTextFamily):
+    """A tiny ``llama2-7b``: 64 wide, 4 query and 2 key/value heads, SwiGLU."""
+
+    name = "maxtext-llama2"
+    model_name = "llama2-7b"
+    overrides = _SMALL_ATTENTION
+    known_divergences = MappingProxyType(
+        {
+            "grad_accumulation": "loss and gradients agree; one Adam-updated element of "
+            "self_attention/out/kernel is 1.9e-5 apart (atol 1e-5): its gradient is near "
+            "zero, and Adam scales that rounding noise up to a step",
+        }
+    )
+
+
+class MaxTextDeepseek3(MaxTextFamily):
+    """``deepseek3-tiny`` cut to 2 layers: 1 dense and 1 MoE layer of 4 experts, MLA."""
+
+    name = "maxtext-deepseek3"
+    model_name = "deepseek3-tiny"
+    overrides = MappingProxyType(
+        {
+            "first_num_dense_layers": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+        }
+    )
+    capabilities = Capabilities(moe=True, quantization=frozenset({"qat_int8"}))
+    known_divergences = MappingProxyType(
+        {"grad_accumulation": "4 micro-batches: " + _NOT_LOCALISED.format(gap=0.1, leaves=91)}
+    )
+
+
+class MaxTextGemma2(MaxTextFamily):
+    """A tiny ``gemma2-2b``: local (sliding window 4) and global attention, soft caps."""
+
+    name = "maxtext-gemma2"
+    model_name = "gemma2-2b"
+    overrides = MappingProxyType({**_SMALL_ATTENTION, "sliding_window_size": 4})
+    known_divergences = MappingProxyType(
+        {
+            "grad_accumulation": "4 micro-batches: " + _NOT_LOCALISED.format(gap=0.17, leaves=72),
+            "layout[scan_layers]": "scanned against unrolled layers: "
+            + _NOT_LOCALISED.format(gap=0.16, leaves=46),
+        }
+    )
