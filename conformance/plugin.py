@@ -109,9 +109,14 @@ def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> l
             return list(DTYPES.items())
 
 
+def _quant_methods(metafunc: pytest.Metafunc) -> set[str]:
+    """The quantization methods a test's ``quant_method`` markers narrow it to (empty: any)."""
+    return {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
+
+
 def _quant_values(family: registry.Family, metafunc: pytest.Metafunc) -> list[Any]:
     """The family's quantization modes, narrowed by a ``quant_method`` marker if any."""
-    methods = {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
+    methods = _quant_methods(metafunc)
     modes = [
         name
         for name in sorted(family.capabilities.quantization)
@@ -121,7 +126,7 @@ def _quant_values(family: registry.Family, metafunc: pytest.Metafunc) -> list[An
 
 
 def _marks(
-    family: registry.Family, case: dict[str, Any], needs: list[str]
+    family: registry.Family, case: dict[str, Any], needs: list[str], methods: set[str]
 ) -> list[pytest.MarkDecorator]:
     if (reason := family.unavailable()) is not None:
         return [pytest.mark.skip(reason=f"{family.name}: {reason}")]
@@ -130,7 +135,11 @@ def _marks(
         layout = "scan_layers" if scan else "a layer list"
         return [pytest.mark.skip(reason=f"{family.name} does not support {layout}")]
     if "quant" in case and case["quant"] is None:
-        return [pytest.mark.skip(reason=f"{family.name} declares no quantization modes")]
+        wanted = "/".join(sorted(methods)) + " " if methods else ""
+        declared = ", ".join(sorted(family.capabilities.quantization))
+        reason = f"{family.name} declares no {wanted}quantization mode"
+        reason += f" (it declares {declared})" if declared else ""
+        return [pytest.mark.skip(reason=reason)]
     missing = [name for name in needs if not getattr(family.capabilities, name)]
     if missing:
         declared = ", ".join(f"{name}=True" for name in missing)
@@ -146,6 +155,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     argnames = [a for a in AXES if a in metafunc.fixturenames]
     needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
+    methods = _quant_methods(metafunc)
     params = []
     for family in metafunc.config.stash[_FAMILIES]:
         axes = [_axis_values(name, family, metafunc.config) for name in argnames]
@@ -154,9 +164,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)
-            params.append(
-                pytest.param(*case.values(), id=case_id, marks=_marks(family, case, needs))
-            )
+            marks = _marks(family, case, needs, methods)
+            params.append(pytest.param(*case.values(), id=case_id, marks=marks))
     metafunc.parametrize(argnames, params)
 
 

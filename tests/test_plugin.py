@@ -107,3 +107,21 @@ def test_agreement_matrix_is_printed(project):
     pytester.runpytest("--family", "gpt3", "--snapshot-update")
     result = pytester.runpytest("--family", "gpt3")
     result.stdout.fnmatch_lines(["*Linen/NNX agreement*", "family*shape*", "gpt3*2/2*"])
+
+
+def test_quant_test_without_a_matching_mode_skips_naming_method_and_declared_modes(pytester):
+    pytester.makepyfile(
+        test_quant="""
+import pytest
+
+@pytest.mark.quant_method("awq")
+def test_awq(family, quant):
+    raise AssertionError("must not run")
+"""
+    )
+    result = pytester.runpytest("--family", "gpt3", "-rs")
+    result.assert_outcomes(skipped=1)
+    declared = "ptq_fp8, ptq_int8, qat_fp8, qat_int8"
+    result.stdout.fnmatch_lines(
+        [f"*gpt3 declares no awq quantization mode (it declares {declared})"]
+    )
