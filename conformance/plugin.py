@@ -109,14 +109,8 @@ def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> l
             return list(DTYPES.items())
 
 
-def _quant_methods(metafunc: pytest.Metafunc) -> set[str]:
-    """The quantization methods a test's ``quant_method`` markers narrow it to (empty: any)."""
-    return {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
-
-
-def _quant_values(family: registry.Family, metafunc: pytest.Metafunc) -> list[Any]:
-    """The family's quantization modes, narrowed by a ``quant_method`` marker if any."""
-    methods = _quant_methods(metafunc)
+def _quant_values(family: registry.Family, methods: set[str]) -> list[Any]:
+    """The family's quantization modes, narrowed to ``methods`` if any."""
     modes = [
         name
         for name in sorted(family.capabilities.quantization)
@@ -155,12 +149,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     argnames = [a for a in AXES if a in metafunc.fixturenames]
     needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
-    methods = _quant_methods(metafunc)
+    methods = {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
     params = []
     for family in metafunc.config.stash[_FAMILIES]:
         axes = [_axis_values(name, family, metafunc.config) for name in argnames]
         if "quant" in argnames:
-            axes[argnames.index("quant")] = _quant_values(family, metafunc)
+            axes[argnames.index("quant")] = _quant_values(family, methods)
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)
