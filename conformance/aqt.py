@@ -13,7 +13,6 @@ Frozen kernels are flat ``{canonical path: array}`` dicts, like parameters:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +20,9 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from conformance.backends import LinenRunner, NnxRunner, linen_runner, nnx_runner
+from conformance.backends import LinenRunner, NnxRunner, linen_runner, mesh_of, nnx_runner
 from conformance.families import Batch, Family
+from conformance.scope import scoped
 from conformance.sharding import Logical, linen_logical
 from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
 
@@ -142,14 +142,9 @@ class NnxAqt:
         return logits, nnx.state(model, self.kind)
 
     def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
-        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``.
-
-        Call ``convert_runner.init`` first: it provides the non-parameter state.
-        """
+        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``."""
         runner = self.convert_runner
-        if runner.rest is None:
-            raise RuntimeError("NnxAqt.convert needs convert_runner.init() first")
-        logits, frozen = self._convert(runner.state(params), runner.rest, batch)
+        logits, frozen = self._convert(runner.state(params), runner.rest(mesh_of(params)), batch)
         return logits, _frozen_flat(flatten_state(frozen))
 
     def _serve_impl(
@@ -161,14 +156,10 @@ class NnxAqt:
         return logits
 
     def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
-        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels.
-
-        Call ``serve_runner.init`` first: it provides the non-parameter state.
-        """
+        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels."""
         runner = self.serve_runner
-        if runner.rest is None:
-            raise RuntimeError("NnxAqt.serve needs serve_runner.init() first")
-        return self._serve(runner.state(params), runner.rest, self.state(frozen), batch)
+        rest = runner.rest(mesh_of(params))
+        return self._serve(runner.state(params), rest, self.state(frozen), batch)
 
 
 def known_failure(check: str, scan_layers: bool) -> str | None:
@@ -184,13 +175,13 @@ def known_failure(check: str, scan_layers: bool) -> str | None:
     return None
 
 
-@functools.cache
+@scoped
 def linen_aqt(family: Family, config: Any) -> LinenAqt:
-    """The cached :class:`LinenAqt` for ``(family, config)``."""
+    """The :class:`LinenAqt` for ``(family, config)``."""
     return LinenAqt(family, config)
 
 
-@functools.cache
+@scoped
 def nnx_aqt(family: Family, config: Any) -> NnxAqt:
-    """The cached :class:`NnxAqt` for ``(family, config)``."""
+    """The :class:`NnxAqt` for ``(family, config)``."""
     return NnxAqt(family, config)

@@ -59,7 +59,6 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     train = family.aqt_config(config, "train")
     linen_params, nnx_params = float_params(family, check, config, mesh, devices)
     linen, nnx_ = linen_runner(family, train), nnx_runner(family, train)
-    nnx_.init(1, shardings_for(family, nnx_.logical, mesh, devices))
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     reference = linen_runner(family, config).forward(linen_params, batch)[0]
     linen_logits = linen.forward(linen_params, batch)[0]
@@ -161,9 +160,7 @@ def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     linen, nnx_, mapping = aqt_sides(family, check, config)
     train = family.aqt_config(config, "train")
     linen_params, nnx_params = float_params(family, check, config, mesh, devices)
-    nnx_.convert_runner.init(1, shardings_for(family, nnx_.convert_runner.logical, mesh, devices))
     nnx_train = nnx_runner(family, train)
-    nnx_train.init(1, shardings_for(family, nnx_train.logical, mesh, devices))
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     linen_logits, linen_frozen = linen.convert(linen_params, batch)
     nnx_logits, nnx_frozen = nnx_.convert(nnx_params, batch)
@@ -200,8 +197,6 @@ def check_aqt_serve(
         convert, serve = aqt.convert_runner, aqt.serve_runner
         params = convert.init(0, shardings_for(family, convert.logical, mesh, devices))
         serve_shardings = shardings_for(family, serve.logical, mesh, devices)
-        if side == "NNX":
-            serve.init(0, serve_shardings)
         logits, frozen = aqt.convert(params, batch)
         tree = {f"params/{p}": jax.device_put(params[p], s) for p, s in serve_shardings.items()}
         tree |= {f"{COLLECTION}/{p}": v for p, v in frozen.items()}

@@ -2,24 +2,25 @@
 
 Parameters of both sides are handled as flat ``{canonical path: array}`` dicts, so that
 transplanting, comparing and reporting never depend on how a backend nests its trees.
-Runners are cached per ``(family, config)``: their jitted functions compile once per
-input sharding and are reused by every check.
+Runners are memoised per ``(family, config, quant)`` in the active
+:class:`~conformance.scope.Scope`: their jitted functions compile once per input sharding
+and are reused by every check in the scope, and released with it.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
 from conformance.families import Batch, Family
 from conformance.quant import MODES, quantize_linen, quantize_nnx
+from conformance.scope import scoped
 from conformance.sharding import Logical, MeshSpec, linen_logical, nnx_logical, resolve_spec
 from conformance.trees import (
     Flat,
@@ -49,6 +50,12 @@ def _sown_hidden(tree: Any) -> jax.Array | None:
     """The ``hidden_states`` intermediate a family sows, if any."""
     hits = [leaf for path, leaf in flatten(tree).items() if HIDDEN_STATES in path.split("/")]
     return hits[0] if len(hits) == 1 else None
+
+
+def mesh_of(flat: Mapping[str, Any]) -> Mesh | None:
+    """The device mesh ``flat``'s arrays are placed on, or ``None`` if they are not sharded."""
+    sharding = getattr(next(iter(flat.values()), None), "sharding", None)
+    return sharding.mesh if isinstance(sharding, NamedSharding) else None
 
 
 def _provider(family: Family, config: Any, quant: str | None) -> QuantizationProvider | None:
@@ -134,7 +141,8 @@ class NnxRunner:
         """Paths of the model's RNG stream variables (kept out of train states)."""
         self._forward = jax.jit(self._forward_impl)
         self._init_fns: dict[Any, Any] = {}
-        self.rest: nnx.State | None = None
+        self._rest: dict[Mesh | None, nnx.State] = {}
+        self._convert = jax.jit(self._convert_impl)
 
     def build(self, seed: int) -> nnx.Module:
         """Construct the NNX module from ``seed`` (eager sharding off: the harness places)."""
@@ -156,16 +164,15 @@ class NnxRunner:
         if not isinstance(self.provider, PtqProvider):
             return float_params
         source = nnx_runner(self.family, self.config)
-        if source.rest is None:
-            raise RuntimeError("NnxRunner.quantize needs the float runner's init() first")
-
-        def convert(params: nnx.State, rest: nnx.State) -> nnx.State:
-            with nnx.use_eager_sharding(False):
-                model = self._quantized(nnx.merge(source.graphdef, params, rest))
-            return nnx.state(model, nnx.Param)
-
-        quantized = jax.jit(convert)(source.state(float_params), source.rest)
+        rest = source.rest(mesh_of(float_params))
+        quantized = self._convert(source.state(float_params), rest)
         return {path: var.get_value() for path, var in flatten_state(quantized).items()}
+
+    def _convert_impl(self, params: nnx.State, rest: nnx.State) -> nnx.State:
+        graphdef = nnx_runner(self.family, self.config).graphdef
+        with nnx.use_eager_sharding(False):
+            model = self._quantized(nnx.merge(graphdef, params, rest))
+        return nnx.state(model, nnx.Param)
 
     def state(self, params: Flat) -> nnx.State:
         """An ``nnx.State`` of Params holding ``params`` (keyed by canonical path)."""
@@ -174,27 +181,28 @@ class NnxRunner:
         )
 
     def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
-        """Initialise parameters from ``seed``, created directly with ``shardings``.
-
-        Non-parameter state (RNG streams and the like) is kept on the runner, replicated.
-        """
+        """Initialise parameters from ``seed``, created directly with ``shardings``."""
         key = tuple(sorted(shardings.items())) if shardings else None
         if key not in self._init_fns:
-            out = None
-            if shardings:
-                mesh = next(iter(shardings.values())).mesh
-                replicated = NamedSharding(mesh, PartitionSpec())
-                out = (
-                    self.state(shardings),
-                    jax.tree.map(lambda _: replicated, self._abstract_rest),
-                )
             self._init_fns[key] = jax.jit(
-                lambda s: nnx.split(self.build(s), nnx.Param, ...)[1:],
+                lambda s: nnx.split(self.build(s), nnx.Param, ...)[1],
                 static_argnums=0,
-                out_shardings=out,
+                out_shardings=self.state(shardings) if shardings else None,
             )
-        params, self.rest = self._init_fns[key](seed)
+        params = self._init_fns[key](seed)
         return {path: var.get_value() for path, var in flatten_state(params).items()}
+
+    def rest(self, mesh: Mesh | None = None) -> nnx.State:
+        """The model's non-parameter state (RNG streams and the like), replicated on ``mesh``.
+
+        It is what a freshly built model holds, the same for any seed's parameters; it is
+        computed once per mesh.
+        """
+        if mesh not in self._rest:
+            out = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+            build = jax.jit(lambda: nnx.split(self.build(0), nnx.Param, ...)[2], out_shardings=out)
+            self._rest[mesh] = build()
+        return self._rest[mesh]
 
     def _forward_impl(
         self, params: nnx.State, rest: nnx.State, batch: Batch
@@ -204,24 +212,19 @@ class NnxRunner:
         return logits, _sown_hidden(sown)
 
     def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
-        """Logits and sown per-block hidden states for ``batch``.
-
-        Call :meth:`init` first: it provides the non-parameter state.
-        """
-        if self.rest is None:
-            raise RuntimeError("NnxRunner.forward needs init() first for non-Param state")
-        return self._forward(self.state(params), self.rest, batch)
+        """Logits and sown per-block hidden states for ``batch``."""
+        return self._forward(self.state(params), self.rest(mesh_of(params)), batch)
 
 
-@functools.cache
+@scoped
 def linen_runner(family: Family, config: Any, quant: str | None = None) -> LinenRunner:
-    """The cached Linen runner for ``(family, config, quant)``."""
+    """The Linen runner for ``(family, config, quant)``."""
     return LinenRunner(family, config, quant)
 
 
-@functools.cache
+@scoped
 def nnx_runner(family: Family, config: Any, quant: str | None = None) -> NnxRunner:
-    """The cached NNX runner for ``(family, config, quant)``."""
+    """The NNX runner for ``(family, config, quant)``."""
     return NnxRunner(family, config, quant)
 
 

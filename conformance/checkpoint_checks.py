@@ -127,7 +127,6 @@ def check_checkpoint_conversion(
     what = f"{source.backend}/{source.layout} -> {target_backend}/{info.layout} on {mesh.id}"
 
     params = {p.removeprefix("model/"): v for p, v in restored.items() if p.startswith("model/")}
-    dst.runner.init(0, shardings_for(family, dst.runner.logical, mesh, devices))
     own = {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
     before = original.trainer.runner.forward(own, batch)[0]
     after = dst.runner.forward(params, batch)[0]

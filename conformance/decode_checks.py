@@ -11,7 +11,6 @@ at every step and their greedy tokens are identical.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ from conformance.decoding import (
 )
 from conformance.families import Family
 from conformance.numerics import Mismatch, compare_arrays, compare_trees, report, tolerance_for
+from conformance.scope import scoped
 from conformance.sharding import MeshSpec, spec_to_json
 from conformance.trees import PathMapError, map_paths, structure_diff
 
@@ -105,7 +105,7 @@ class Served:
     """``[rows, max_seq_len, vocab]`` from the plain forward on ``generation.sequence``."""
 
 
-@functools.cache
+@scoped
 def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tuple[Served, ...]:
     """Serve Linen's parameters on both backends; computed once per family, config and mesh."""
     check = "decode"
@@ -114,7 +114,6 @@ def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tu
     mapping = param_map(family, check, config)
     linen_params = linen.init(0, shardings_for(family, linen.logical, mesh, devices))
     nnx_shardings = shardings_for(family, nnx_.logical, mesh, devices)
-    nnx_.init(1, nnx_shardings)
     nnx_params = transplant(linen_params, mapping, nnx_.specs, nnx_shardings)
     prompt, lengths = prompt_batch(family, config, BATCH_SIZE, DECODE_STEPS)
 

@@ -20,8 +20,9 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.backends import linen_runner, nnx_runner
+from conformance.backends import linen_runner, mesh_of, nnx_runner
 from conformance.families import Batch, Family
+from conformance.scope import scoped
 from conformance.sharding import Logical, linen_logical, nnx_logical
 from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, specs, unflatten
 
@@ -97,7 +98,7 @@ class NnxDecoder:
     """An NNX family served through ``nnx.Cache`` variables, for ``rows`` prompts.
 
     The model's ``init_cache(rows)`` creates the cache; non-parameter, non-cache state
-    (RNG streams) comes from :meth:`conformance.backends.NnxRunner.init`.
+    (RNG streams) comes from :meth:`conformance.backends.NnxRunner.rest`.
     """
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
@@ -151,29 +152,24 @@ class NnxDecoder:
         batch: Batch,
         shardings: CacheShardings | None = None,
     ) -> tuple[jax.Array, Flat]:
-        """Logits and the updated cache of one ``prefill`` or ``decode`` call.
-
-        Call :meth:`conformance.backends.NnxRunner.init` first for the RNG state.
-        """
-        if self.runner.rest is None:
-            raise RuntimeError("NnxDecoder.run needs NnxRunner.init() first for non-Param state")
+        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, self._state(shardings)))
         logits, new_cache = fn(
-            self.runner.state(params), self._state(cache), self.runner.rest, batch
+            self.runner.state(params), self._state(cache), self.runner.rest(mesh_of(params)), batch
         )
         return logits, {path: var.get_value() for path, var in flatten_state(new_cache).items()}
 
 
-@functools.cache
+@scoped
 def linen_decoder(family: Family, config: Any, rows: int) -> LinenDecoder:
-    """The cached Linen decoder for ``(family, config, rows)``."""
+    """The Linen decoder for ``(family, config, rows)``."""
     return LinenDecoder(family, config, rows)
 
 
-@functools.cache
+@scoped
 def nnx_decoder(family: Family, config: Any, rows: int) -> NnxDecoder:
-    """The cached NNX decoder for ``(family, config, rows)``."""
+    """The NNX decoder for ``(family, config, rows)``."""
     return NnxDecoder(family, config, rows)
 
 

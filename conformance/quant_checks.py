@@ -114,15 +114,11 @@ def check_error_bound(
 def float_params(
     family: Family, check: str, config: Any, mesh: MeshSpec, devices: Mesh
 ) -> tuple[Flat, Flat]:
-    """Linen's float parameters from its sharded init, and the same values on NNX's paths.
-
-    Initialises the NNX float runner too, so its non-parameter state is ready.
-    """
+    """Linen's float parameters from its sharded init, and the same values on NNX's paths."""
     linen_float, nnx_float = linen_runner(family, config), nnx_runner(family, config)
     float_map = param_map(family, check, config)
     linen_params = linen_float.init(0, shardings_for(family, linen_float.logical, mesh, devices))
     nnx_shardings = shardings_for(family, nnx_float.logical, mesh, devices)
-    nnx_float.init(1, nnx_shardings)
     return linen_params, transplant(linen_params, float_map, nnx_float.specs, nnx_shardings)
 
 
@@ -136,7 +132,6 @@ def quantized_params(
     check = "quant_forward"
     linen, nnx_, _ = quantized_runners(family, check, config, quant)
     linen_params, nnx_params = float_params(family, check, config, mesh, devices)
-    nnx_.init(1, shardings_for(family, nnx_.logical, mesh, devices))
     return linen_params, nnx_params, linen.quantize(linen_params), nnx_.quantize(nnx_params)
 
 

@@ -95,7 +95,6 @@ def linen_and_nnx(
     mapping = param_map(family, "train_step", config)
     linen_params = lt.runner.init(0, shardings_for(family, lt.runner.logical, mesh, devices))
     nnx_shardings = shardings_for(family, nt.runner.logical, mesh, devices)
-    nt.runner.init(0, nnx_shardings)
     nnx_params = transplant(linen_params, mapping, nt.runner.specs, nnx_shardings)
     linen = _side(family, lt, linen_params, mesh, devices)
     nnx_side = _side(family, nt, nnx_params, mesh, devices)

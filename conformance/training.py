@@ -30,8 +30,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conformance.backends import linen_runner, nnx_runner
+from conformance.backends import linen_runner, mesh_of, nnx_runner
 from conformance.families import Batch, Family
+from conformance.scope import scoped
 from conformance.sharding import Logical, nnx_logical
 from conformance.trees import Flat, flatten, flatten_state, join_path, mirrored_param, unflatten
 
@@ -112,15 +113,19 @@ class LinenTrainer:
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
-        self.abstract_state = jax.eval_shape(self.initial_state, params)
+        self.abstract_state = jax.eval_shape(self._create_impl, params)
         self.logical: dict[str, Logical] = {}
         for path in flatten(self.abstract_state):
             found = mirrored_param(path, self.runner.logical)
             self.logical[path] = None if found is None else self.runner.logical[found[1]]
         self._steps: dict[Any, Any] = {}
+        self._create = jax.jit(self._create_impl)
 
     def initial_state(self, params: Flat) -> dict[str, Any]:
         """A train state around ``params``: fresh optimizer state, step 0."""
+        return self._create(params)
+
+    def _create_impl(self, params: Flat) -> dict[str, Any]:
         nested = unflatten(params)
         step = jnp.zeros((), jnp.int32)
         return {"model": nested, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
@@ -229,17 +234,16 @@ class NnxTrainer:
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
         self._steps: dict[Any, Any] = {}
+        self._create = jax.jit(self._create_impl)
 
     def initial_state(self, params: Flat) -> nnx.State:
         """A train state around ``params``: fresh optimizer state, step 0."""
-        if self.runner.rest is None:
-            raise RuntimeError("NnxTrainer.initial_state needs NnxRunner.init() first")
+        rest = self.runner.rest(mesh_of(params))
+        return self._create(self.runner.state(params), rest)
 
-        def create(params_state: nnx.State, rest: nnx.State) -> nnx.State:
-            model = nnx.merge(self.runner.graphdef, params_state, rest)
-            return nnx.state(NnxTrainState(model, self.tx), nnx.Not(nnx.RngState))
-
-        return jax.jit(create)(self.runner.state(params), self.runner.rest)
+    def _create_impl(self, params: nnx.State, rest: nnx.State) -> nnx.State:
+        model = nnx.merge(self.runner.graphdef, params, rest)
+        return nnx.state(NnxTrainState(model, self.tx), nnx.Not(nnx.RngState))
 
     def tree(self, by_path: Mapping[str, Any]) -> nnx.State:
         """The train state's ``nnx.State`` holding ``by_path``'s arrays or shardings."""
@@ -281,17 +285,17 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-@functools.cache
+@scoped
 def linen_trainer(
     family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
 ) -> LinenTrainer:
-    """The cached Linen trainer for ``(family, config, micro_batches, quant)``."""
+    """The Linen trainer for ``(family, config, micro_batches, quant)``."""
     return LinenTrainer(family, config, micro_batches, quant)
 
 
-@functools.cache
+@scoped
 def nnx_trainer(
     family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
 ) -> NnxTrainer:
-    """The cached NNX trainer for ``(family, config, micro_batches, quant)``."""
+    """The NNX trainer for ``(family, config, micro_batches, quant)``."""
     return NnxTrainer(family, config, micro_batches, quant)

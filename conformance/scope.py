@@ -1,0 +1,120 @@
+"""How long compiled programs live: a scope that owns the harness's runners and frees them.
+
+Every runner, trainer and decoder holds jitted functions, and every jitted function
+holds its compiled executables. On the CPU backend each executable keeps its machine
+code mapped into the process; a long run that never lets go of them grows its memory
+mappings by hundreds per test until the kernel's ``vm.max_map_count`` (65,530 by
+default) is reached and XLA crashes while compiling.
+
+So the factories that build those objects (:func:`conformance.backends.linen_runner`
+and the like) are :func:`scoped`: they memoise in the innermost active :class:`Scope`,
+and leaving the scope drops everything built in it and clears jax's own caches, so the
+next programs reuse the freed memory. Within a scope, checks that run the same
+computation share one compiled program.
+
+The pytest plugin opens one scope per group of tests that can share programs (same
+family, layer layout and mesh). Library users open their own::
+
+    with Scope():
+        check_forward(family, config, mesh, devices)
+    # every executable compiled inside is released here
+
+Outside any ``with Scope()``, factories memoise in a process-wide default scope, which
+:func:`release` empties.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import gc
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import jax
+
+
+class Scope:
+    """A memo of scoped factories' results; leaving it (or :meth:`release`) frees them all."""
+
+    def __init__(self) -> None:
+        self._memo: dict[Hashable, Any] = {}
+        self._tokens: list[contextvars.Token[Scope]] = []
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    def get[R](self, factory: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """``factory(*args, **kwargs)``, built once in this scope for equal arguments."""
+        key = (factory, args, tuple(sorted(kwargs.items())))
+        if key not in self._memo:
+            self._memo[key] = factory(*args, **kwargs)
+        return self._memo[key]
+
+    def release(self) -> None:
+        """Drop everything built in this scope and every executable jax caches.
+
+        jax's caches are process-wide, so programs compiled outside this scope are
+        recompiled on their next call; nothing is lost but time.
+        """
+        self._memo.clear()
+        jax.clear_caches()
+        gc.collect()
+
+    def __enter__(self) -> Scope:
+        self._tokens.append(_ACTIVE.set(self))
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        _ACTIVE.reset(self._tokens.pop())
+        self.release()
+
+
+_DEFAULT = Scope()
+_ACTIVE: contextvars.ContextVar[Scope] = contextvars.ContextVar(
+    "conformance_scope", default=_DEFAULT
+)
+
+
+def current() -> Scope:
+    """The innermost active scope (the process-wide default one outside any)."""
+    return _ACTIVE.get()
+
+
+def release() -> None:
+    """Release the innermost active scope: see :meth:`Scope.release`."""
+    current().release()
+
+
+def mapping_count() -> int | None:
+    """How many memory mappings this process has (Linux), or ``None`` where unknown."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def mapping_limit() -> int | None:
+    """The kernel's per-process limit on memory mappings (Linux), or ``None``."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
+    """Memoise ``factory`` (hashable arguments) in the active :class:`Scope`."""
+
+    @functools.wraps(factory)
+    def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
+        return current().get(factory, args, kwargs)
+
+    return memoised
