@@ -4,6 +4,7 @@ Modules: :mod:`~conformance.families` (the Family contract and registry),
 :mod:`~conformance.trees` (paths and structure), :mod:`~conformance.sharding` (meshes and
 logical axes), :mod:`~conformance.numerics` (tolerances and comparison),
 :mod:`~conformance.backends` (building and running each side),
-:mod:`~conformance.checks` (the checks), :mod:`~conformance.goldens` (golden files) and
-:mod:`~conformance.plugin` (the pytest plugin).
+:mod:`~conformance.checks` (the checks), :mod:`~conformance.goldens` (golden files),
+:mod:`~conformance.scope` (how long compiled programs live), :mod:`~conformance.tiers`
+(how much of the suite a run covers) and :mod:`~conformance.plugin` (the pytest plugin).
 """

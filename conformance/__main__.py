@@ -1,8 +1,9 @@
 """``python -m conformance``: the parity run of every registered family on the CPU mesh.
 
-Runs the conformance suite and prints the family x check agreement matrix; extra
-arguments go to pytest (e.g. ``--family llama`` or ``--mesh fsdp=8``). Exits non-zero
-when any check disagrees.
+Runs the conformance suite in one process at the ``default`` tier, with one progress
+line per family x check, and prints the family x check agreement matrix; extra
+arguments go to pytest (e.g. ``--family llama``, ``--tier smoke`` or ``--mesh fsdp=8``).
+Exits non-zero when any check disagrees (and with 5 when nothing was selected).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the suite with ``argv`` as extra pytest arguments; return pytest's exit code."""
     # `python -m conformance` has imported this package before pytest could rewrite it.
     quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
-    args = ["--pyargs", "conformance.suite", "-q", "-p", "no:cacheprovider", *quiet]
+    args = ["--pyargs", "conformance.suite", "-q", "--progress", "-p", "no:cacheprovider", *quiet]
     return int(pytest.main([*args, *(sys.argv[1:] if argv is None else argv)]))
 
 

@@ -13,6 +13,10 @@ from pathlib import Path
 HOST_DEVICE_COUNT = 8
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
+XLA_OPT_LEVELS = ("low", "full")
+"""``low``: XLA skips most optimisation passes (``jax_disable_most_optimizations``);
+``full``: XLA's defaults, as production code compiles."""
+
 
 def default_cache_dir() -> Path:
     """``$JAX_COMPILATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/linen-nnx-conformance/jax``."""
@@ -39,3 +43,18 @@ def configure_host_platform(device_count: int = HOST_DEVICE_COUNT) -> None:
     jax.config.update("jax_compilation_cache_dir", str(default_cache_dir()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def set_xla_opt(level: str) -> None:
+    """Compile every program at XLA optimisation ``level`` (one of :data:`XLA_OPT_LEVELS`).
+
+    ``low`` compiles several times faster, and compilation is nearly all of a
+    conformance run's time; both backends compile under the same flags, so a Linen/NNX
+    comparison stays like for like. ``full`` is what production code runs: use it for a
+    nightly job. Must be called before the first compile.
+    """
+    if level not in XLA_OPT_LEVELS:
+        raise ValueError(f"unknown XLA optimisation level {level!r}; use one of {XLA_OPT_LEVELS}")
+    import jax
+
+    jax.config.update("jax_disable_most_optimizations", level == "low")

@@ -67,6 +67,8 @@ class Capabilities:
     """What a family supports, so the suite skips with a reason instead of failing."""
 
     scan_layers: tuple[bool, ...] = (False, True)
+    """Layer layouts supported (``True``: scanned), the family's preferred one first: the
+    ``smoke`` tier runs only that one."""
     decode: bool = False
     moe: bool = False
     quantization: frozenset[str] = frozenset()

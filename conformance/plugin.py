@@ -1,27 +1,35 @@
-"""The pytest plugin: options, parametrization, fixtures, golden bookkeeping, the matrix.
+"""The pytest plugin: options, parametrization, tiers, fixtures, goldens, the matrix.
 
 Registered through the ``pytest11`` entry point, so any project with this package
 installed can run the suite on its own families: ``pytest --pyargs conformance.suite``.
+It also bounds a long run's memory: tests that share compiled programs run together,
+and their :class:`~conformance.scope.Scope` is released when the group changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from conformance import families as registry
+from conformance import scope
 from conformance.checks import CheckFailure
-from conformance.environment import configure_host_platform
+from conformance.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
 from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.progress import CompileClock, Progress
 from conformance.quant import MODES
 from conformance.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
+from conformance.tiers import DEFAULT_TIER, TIERS, Tier, TierError, get_tier
 
-DEFAULT_MESHES = ("fsdp=8", "data=2,fsdp=2,tensor=2")
+DEFAULT_MESHES = ("data=2,fsdp=2,tensor=2", "fsdp=8")
 DEFAULT_TOPOLOGIES = ("4x4x4", "4x8x8")
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 LAYOUTS = {"loop": False, "scan": True}
@@ -29,6 +37,8 @@ LAYOUTS = {"loop": False, "scan": True}
 _FAMILIES = pytest.StashKey[list[registry.Family]]()
 _MESHES = pytest.StashKey[dict[str, list[MeshSpec]]]()
 _CLAIMED = pytest.StashKey[set[Path]]()
+_TIER = pytest.StashKey[Tier]()
+_COLLECTED = pytest.StashKey[list[pytest.Item]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,12 +67,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="abstract production mesh for full-size sharding goldens (repeatable); "
         f"default: {' and '.join(DEFAULT_TOPOLOGIES)}",
     )
+    group.addoption(
+        "--tier",
+        default=DEFAULT_TIER,
+        metavar="NAME",
+        help="how much of the suite to run: "
+        + "; ".join(f"{t.name}: {t.summary}" for t in TIERS.values())
+        + f" (default: {DEFAULT_TIER})",
+    )
+    group.addoption(
+        "--xla-opt",
+        default="low",
+        choices=XLA_OPT_LEVELS,
+        help="XLA optimisation level: low (most passes off, compiles several times faster; "
+        "the default) or full (as production code compiles, for a nightly job)",
+    )
+    group.addoption(
+        "--progress",
+        action="store_true",
+        help="print one line per family x check as it runs instead of a character per test",
+    )
     parser.addini("conformance_goldens", "directory of golden files", default="goldens")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Validate the options (a usage error lists valid values) and set up the session."""
     configure_host_platform()
+    set_xla_opt(config.getoption("xla_opt"))
     config.addinivalue_line("markers", "golden: the test compares against a golden file")
     config.addinivalue_line(
         "markers",
@@ -71,16 +102,65 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "quant_method(name): parametrize `quant` only over modes of this method"
     )
+    config.addinivalue_line(
+        "markers",
+        "known_failure(reason_of): reason_of(**params) gives why a case fails with the pinned "
+        "libraries (a strict xfail), or None",
+    )
     try:
+        tier = get_tier(config.getoption("tier"))
         config.stash[_FAMILIES] = registry.select(config.getoption("family"))
         config.stash[_MESHES] = {
             "mesh": [parse_mesh(s) for s in config.getoption("mesh") or DEFAULT_MESHES],
             "topology": [parse_mesh(s) for s in config.getoption("topology") or DEFAULT_TOPOLOGIES],
         }
-    except (registry.FamilyError, MeshSpecError) as err:
+    except (registry.FamilyError, MeshSpecError, TierError) as err:
         raise pytest.UsageError(str(err)) from None
+    if config.getoption("mesh"):
+        tier = dataclasses.replace(tier, meshes=None)
+    config.stash[_TIER] = tier
     config.stash[_CLAIMED] = set()
     config.pluginmanager.register(SessionReport(config), "conformance-report")
+    config.pluginmanager.register(ScopePerGroup(), "conformance-scopes")
+    config.pluginmanager.register(CompileClock(), "conformance-compiles")
+    if config.getoption("progress"):
+        header = pytest_report_header(config) if config.option.verbose < 0 else []
+        progress = Progress(header, lambda item: _progress_label(item, run_meshes(config)[0]))
+        config.pluginmanager.register(progress, "conformance-progress")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The tier, the meshes and the XLA optimisation level this run uses."""
+    tier = config.stash[_TIER]
+    meshes = ", ".join(m.id for m in run_meshes(config))
+    kept = [
+        f"meshes {meshes}",
+        "one layer layout per family" if tier.one_layout else "every layer layout",
+        "dtypes " + ", ".join(tier.dtypes or DTYPES),
+        "one quantization mode per method" if tier.one_mode_per_method else "every mode",
+        "expected failures run" if tier.expected_failures else "expected failures left out",
+    ]
+    families = ", ".join(f.name for f in config.stash[_FAMILIES]) or "none"
+    return [
+        f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
+        f"conformance: families {families}; XLA optimisation {config.getoption('xla_opt')}; "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
+    ]
+
+
+def _progress_label(item: pytest.Item, primary: MeshSpec) -> str:
+    """``family layout mesh check`` for a progress line, aligned in columns."""
+    group = group_of(item, primary)
+    if group is None:
+        return f"{check_name(item):<22}"
+    family, scan, mesh = group
+    return f"{family:<17} {'scan' if scan else 'loop'} {mesh:<20} {check_name(item):<22}"
+
+
+def run_meshes(config: pytest.Config) -> list[MeshSpec]:
+    """The device meshes this run's tier keeps, the primary one first."""
+    configured = config.stash[_MESHES]["mesh"]
+    return config.stash[_TIER].mesh_order(configured) or configured
 
 
 def goldens_root(config: pytest.Config) -> Path:
@@ -120,6 +200,20 @@ def _quant_values(family: registry.Family, methods: set[str]) -> list[Any]:
 
 
 def _marks(
+    family: registry.Family,
+    case: dict[str, Any],
+    needs: list[str],
+    methods: set[str],
+    known: list[Callable[..., str | None]],
+) -> list[pytest.MarkDecorator]:
+    skips = _skips(family, case, needs, methods)
+    if skips:
+        return skips
+    reasons = [r for reason_of in known if (r := reason_of(**case))]
+    return [pytest.mark.xfail(reason=r, raises=CheckFailure, strict=True) for r in reasons]
+
+
+def _skips(
     family: registry.Family, case: dict[str, Any], needs: list[str], methods: set[str]
 ) -> list[pytest.MarkDecorator]:
     if (reason := family.unavailable()) is not None:
@@ -150,6 +244,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     argnames = [a for a in AXES if a in metafunc.fixturenames]
     needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
     methods = {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
+    known = [m.args[0] for m in metafunc.definition.iter_markers("known_failure")]
     params = []
     for family in metafunc.config.stash[_FAMILIES]:
         axes = [_axis_values(name, family, metafunc.config) for name in argnames]
@@ -158,7 +253,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)
-            marks = _marks(family, case, needs, methods)
+            marks = _marks(family, case, needs, methods, known)
             params.append(pytest.param(*case.values(), id=case_id, marks=marks))
     metafunc.parametrize(argnames, params)
 
@@ -184,15 +279,87 @@ def _golden_of(item: pytest.Item) -> Path | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Record golden claims and matrix keys; runs before -k/-m deselection on purpose."""
+    """Claim goldens, mark known divergences, apply the tier, and group the tests.
+
+    Runs before -k/-m deselection on purpose: every generated test claims its golden,
+    so neither a tier nor -k makes another test's golden look unused. The tests kept
+    are ordered so that those sharing compiled programs (same family, layout and mesh)
+    run together; see :class:`ScopePerGroup`.
+    """
+    tier = config.stash[_TIER]
+    config.stash[_COLLECTED] = list(items)
+    kept, left_out = [], []
     for item in items:
         if (path := _golden_of(item)) is not None:
             config.stash[_CLAIMED].add(path)
         family = _family_of(item)
-        if family is not None:
-            item.user_properties.append(("conformance", (family.name, check_name(item))))
-            if (reason := known_divergence(family, item)) is not None:
-                item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+        if family is None:
+            kept.append(item)
+            continue
+        item.user_properties.append(("conformance", (family.name, check_name(item))))
+        if (reason := known_divergence(family, item)) is not None:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+        (left_out if tier_leaves_out(tier, family, item) else kept).append(item)
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+    order = {f.name: i for i, f in enumerate(config.stash[_FAMILIES])}
+    primary = run_meshes(config)[0]
+
+    def rank(item: pytest.Item) -> tuple[Any, ...]:
+        group = group_of(item, primary)
+        if group is None:
+            return (-1,)
+        family, scan, mesh = group
+        return (order.get(family, len(order)), scan, mesh)
+
+    items[:] = sorted(kept, key=rank)
+
+
+def tier_leaves_out(tier: Tier, family: registry.Family, item: pytest.Item) -> str:
+    """Why ``tier`` leaves ``item`` out (``""`` if it runs it)."""
+    if not tier.expected_failures and item.get_closest_marker("xfail") is not None:
+        return "expected to fail"
+    params = item.callspec.params
+    dtype_ids = {v: k for k, v in DTYPES.items()}
+    return tier.leaves_out(family, params, dtype_ids.get(params.get("dtype"), ""))
+
+
+Group = tuple[str, bool, str]
+"""``(family, scan_layers, mesh id)``: tests that can share compiled programs."""
+
+
+def group_of(item: pytest.Item | None, primary: MeshSpec) -> Group | None:
+    """The group of a suite test; ``None`` for anything else."""
+    family = _family_of(item) if item is not None else None
+    if family is None:
+        return None
+    params = item.callspec.params
+    scan = params.get("scan_layers")
+    if scan is None:
+        scan = family.capabilities.scan_layers[0] if family.capabilities.scan_layers else False
+    mesh = params.get("mesh")
+    if not isinstance(mesh, MeshSpec):
+        mesh = primary
+    return (family.name, bool(scan), mesh.id)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Stop with a usage error if the selection removed every test of a chosen family."""
+    config = session.config
+    chosen = {f.name for f in config.stash[_FAMILIES]}
+    collected = {_family_of(item) for item in config.stash.get(_COLLECTED, [])} - {None}
+    running = {f.name for item in session.items if (f := _family_of(item)) is not None}
+    emptied = sorted(f.name for f in collected if f.name in chosen and f.name not in running)
+    if emptied:
+        how = f"tier {config.stash[_TIER].name!r}"
+        for flag, option in (("-k", "keyword"), ("-m", "markexpr")):
+            if value := config.getoption(option):
+                how += f" and {flag} {value!r}"
+        pytest.exit(
+            f"the selection ({how}) removed every test of {', '.join(emptied)}; "
+            "widen it or narrow --family",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 def known_divergence(family: registry.Family, item: pytest.Item) -> str | None:
@@ -254,6 +421,12 @@ def _devices_or_skip(mesh: MeshSpec) -> Any:
 
 
 @pytest.fixture
+def tier(request: pytest.FixtureRequest) -> Tier:
+    """The run's :class:`~conformance.tiers.Tier` (``--tier``)."""
+    return request.config.stash[_TIER]
+
+
+@pytest.fixture
 def device_mesh(mesh: MeshSpec) -> Any:
     """The device mesh for ``mesh``; skips with the reason if there are too few devices."""
     return _devices_or_skip(mesh)
@@ -261,8 +434,8 @@ def device_mesh(mesh: MeshSpec) -> Any:
 
 @pytest.fixture
 def primary_mesh(request: pytest.FixtureRequest) -> tuple[MeshSpec, Any]:
-    """The first configured mesh and its devices, for checks that need only one mesh."""
-    mesh = request.config.stash[_MESHES]["mesh"][0]
+    """The run's primary mesh and its devices, for checks that need only one mesh."""
+    mesh = run_meshes(request.config)[0]
     return mesh, _devices_or_skip(mesh)
 
 
@@ -344,3 +517,50 @@ def agreement_matrix(results: dict[tuple[str, str], dict[str, int]]) -> list[str
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+
+
+class ScopePerGroup:
+    """Releases compiled programs when the next test belongs to another group, or sooner.
+
+    Tests of one :data:`Group` run together (see ``pytest_collection_modifyitems``) and
+    share runners, trainers and their executables through the active
+    :class:`~conformance.scope.Scope`; when the group changes, the scope is released, so
+    a run's memory mappings and RSS stay bounded by one group's programs however many
+    families, meshes and layouts it covers. A group whose programs alone pass half of
+    the kernel's mapping limit (``vm.max_map_count``) is released early, between two of
+    its tests: its later tests recompile what they share, and the run does not crash.
+    """
+
+    def __init__(self) -> None:
+        limit = scope.mapping_limit()
+        self.budget = None if limit is None else limit // 2
+        self.releases = 0
+        self.early = 0
+        self.peak = 0
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        """After a test's teardown, release the scope at a group boundary or over budget."""
+        try:
+            return (yield)
+        finally:
+            primary = run_meshes(item.config)[0]
+            group = group_of(item, primary)
+            mappings = scope.mapping_count() or 0
+            self.peak = max(self.peak, mappings)
+            if group is not None and group != group_of(nextitem, primary):
+                self.releases += 1
+                scope.release()
+            elif self.budget is not None and mappings > self.budget:
+                self.early += 1
+                scope.release()
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """How often programs were released and the peak memory-mapping count seen."""
+        if self.releases or self.early:
+            limit = scope.mapping_limit()
+            terminalreporter.write_line(
+                f"compiled programs released {self.releases} time(s) between test groups and "
+                f"{self.early} time(s) early; peak memory mappings {self.peak} "
+                f"(limit {limit})"
+            )

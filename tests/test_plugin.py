@@ -125,3 +125,35 @@ def test_awq(family, quant):
     result.stdout.fnmatch_lines(
         [f"*gpt3 declares no awq quantization mode (it declares {declared})"]
     )
+
+
+def test_unknown_tier_is_a_usage_error_listing_the_tiers(pytester):
+    result = pytester.runpytest("--tier", "nightly")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown tier 'nightly'; valid tiers: smoke (*), default (*)*"])
+
+
+def test_smoke_tier_keeps_the_preferred_layout_and_claims_every_golden(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--family", "gpt3", "--tier", "smoke")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["*conformance: tier smoke*"])
+    assert "unused goldens" not in result.stdout.str()
+
+
+def test_a_selection_that_empties_a_family_is_a_usage_error(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--family", "gpt3", "--tier", "smoke", "-k", "scan")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stdout.fnmatch_lines(["*tier 'smoke' and -k 'scan'*removed every test of gpt3*"])
+
+
+def test_progress_prints_a_line_per_family_and_check(project):
+    pytester = project()
+    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--family", "gpt3", "--progress", "-q")
+    result.stdout.fnmatch_lines(
+        ["*conformance: tier default*", "*2 tests to run", "*0/2   0%] gpt3 * shape * 1 passed*"]
+    )

@@ -10,7 +10,6 @@ from conformance.aqt_checks import (
     check_aqt_serve,
     check_aqt_train_step,
 )
-from conformance.checks import CheckFailure
 
 pytestmark = pytest.mark.capability("aqt")
 
@@ -26,9 +25,8 @@ def test_aqt_train_step(family, mesh, scan_layers, device_mesh):
 
 
 @pytest.mark.golden
-def test_aqt_layout(family, mesh, scan_layers, golden, request):
-    if reason := known_failure("aqt_layout", scan_layers):
-        request.applymarker(pytest.mark.xfail(reason=reason, raises=CheckFailure, strict=True))
+@pytest.mark.known_failure(lambda scan_layers, **_: known_failure("aqt_layout", scan_layers))
+def test_aqt_layout(family, mesh, scan_layers, golden):
     config = family.config("tiny", scan_layers=scan_layers)
     golden.check(check_aqt_layout(family, config, mesh))
 

@@ -9,6 +9,7 @@ without it and :meth:`MaxTextFamily.unavailable` gives the skip reason.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -46,7 +47,10 @@ class MaxTextFamily(Family):
     overrides: ClassVar[Mapping[str, Any]]
     """MaxText config keys set on top of the model's yml (``override_model_config`` is on)."""
 
-    capabilities = Capabilities(quantization=frozenset({"qat_int8"}))
+    capabilities = Capabilities(
+        scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
+        quantization=frozenset({"qat_int8"}),
+    )
 
     unsupported = MappingProxyType(
         {
@@ -189,7 +193,7 @@ class MaxTextDeepseek3(MaxTextFamily):
             "v_head_dim": 16,
         }
     )
-    capabilities = Capabilities(moe=True, quantization=frozenset({"qat_int8"}))
+    capabilities = dataclasses.replace(MaxTextFamily.capabilities, moe=True)
     known_divergences = MappingProxyType(
         {"grad_accumulation": "4 micro-batches: " + _NOT_LOCALISED.format(gap=0.1, leaves=91)}
     )

@@ -1,0 +1,141 @@
+"""Tiers: how much of the family x mesh x layout x dtype x mode product a run covers.
+
+The suite generates every combination; a tier keeps some and leaves the rest out (pytest
+shows them as deselected). Golden files are claimed by every generated test, so a tier
+never reports another tier's goldens as unused.
+
+* ``smoke``: the laptop pass. One multi-axis mesh (``data=2,fsdp=2,tensor=2``, where
+  partitioning bugs show), the family's preferred layer layout, float32, one
+  quantization mode per method, the same-layout checkpoint conversion; every check at
+  least once per family.
+* ``default``: what CI gates on. Both default meshes (the multi-axis one first, then
+  ``fsdp=8``), both layer layouts, float32 and bfloat16, one quantization mode per
+  method, every checkpoint conversion.
+* ``full``: every combination: every quantization mode (fp8 too), and the tests
+  expected to fail (strict xfails of known upstream bugs and declared divergences),
+  which the other tiers leave out.
+
+A mesh given on the command line (``--mesh``) replaces the tier's meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from conformance.families import Family
+from conformance.quant import MODES
+from conformance.sharding import MeshSpec
+
+
+class TierError(ValueError):
+    """An unknown tier name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """Which combinations a run keeps; ``None`` on a field keeps every value."""
+
+    name: str
+    summary: str
+    meshes: tuple[str, ...] | None
+    """Mesh ids kept, in order (the first is the primary mesh); ``None``: all configured."""
+    one_layout: bool
+    """Keep only the family's first layer layout (``Capabilities.scan_layers[0]``)."""
+    dtypes: tuple[str, ...] | None
+    """Compute dtype ids kept (``f32``, ``bf16``)."""
+    one_mode_per_method: bool
+    """Keep one quantization mode per method (the first of :data:`MODES` the family has)."""
+    same_layout_conversions: bool
+    """Keep only checkpoint conversions between equal layer layouts."""
+    expected_failures: bool
+    """Keep tests marked as expected to fail."""
+
+    def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
+        """The configured meshes this tier runs on, the primary one first."""
+        if self.meshes is None:
+            return list(configured)
+        by_id = {m.id: m for m in configured}
+        return [by_id[i] for i in self.meshes if i in by_id]
+
+    def leaves_out(self, family: Family, params: Mapping[str, Any], dtype_id: str = "") -> str:
+        """Why this tier leaves out the test of ``family`` with ``params``; ``""`` if kept.
+
+        ``params`` are a test's parameters by name (``mesh``, ``scan_layers``, ``quant``,
+        ``layouts``, ...); ``dtype_id`` is the id of its ``dtype`` parameter, if any.
+        """
+        mesh = params.get("mesh")
+        if isinstance(mesh, MeshSpec) and self.meshes is not None and mesh.id not in self.meshes:
+            return f"mesh {mesh.id}"
+        layouts = family.capabilities.scan_layers
+        scan = params.get("scan_layers")
+        if self.one_layout and scan is not None and layouts and scan != layouts[0]:
+            return f"layout {'scan' if scan else 'loop'}"
+        if dtype_id and self.dtypes is not None and dtype_id not in self.dtypes:
+            return f"dtype {dtype_id}"
+        quant = params.get("quant")
+        if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
+            return f"quantization mode {quant}"
+        pair = params.get("layouts")
+        if self.same_layout_conversions and isinstance(pair, str):
+            source, _, target = pair.partition("-")
+            first = "scan" if layouts and layouts[0] else "loop"
+            if source != target or (self.one_layout and source != first):
+                return f"checkpoint conversion {pair}"
+        return ""
+
+
+def _first_mode(family: Family, quant: str) -> str:
+    """The first mode of :data:`MODES` that ``family`` declares with ``quant``'s method."""
+    method = MODES[quant].method
+    declared = family.capabilities.quantization
+    return next(m for m in MODES if m in declared and MODES[m].method == method)
+
+
+TIERS: dict[str, Tier] = {
+    tier.name: tier
+    for tier in (
+        Tier(
+            "smoke",
+            "the laptop pass: every check once per family",
+            meshes=("data2-fsdp2-tensor2",),
+            one_layout=True,
+            dtypes=("f32",),
+            one_mode_per_method=True,
+            same_layout_conversions=True,
+            expected_failures=False,
+        ),
+        Tier(
+            "default",
+            "what CI gates on",
+            meshes=("data2-fsdp2-tensor2", "fsdp8"),
+            one_layout=False,
+            dtypes=None,
+            one_mode_per_method=True,
+            same_layout_conversions=False,
+            expected_failures=False,
+        ),
+        Tier(
+            "full",
+            "every combination, with the expected failures",
+            meshes=None,
+            one_layout=False,
+            dtypes=None,
+            one_mode_per_method=False,
+            same_layout_conversions=False,
+            expected_failures=True,
+        ),
+    )
+}
+"""Every tier, by name, cheapest first."""
+
+DEFAULT_TIER = "default"
+
+
+def get_tier(name: str) -> Tier:
+    """The tier called ``name``; a :class:`TierError` lists the valid ones."""
+    if name not in TIERS:
+        valid = ", ".join(f"{t.name} ({t.summary})" for t in TIERS.values())
+        raise TierError(f"unknown tier {name!r}; valid tiers: {valid}")
+    return TIERS[name]
