@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 MAXTEXT_VENV := .venv-maxtext
 MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
 
+## TIER chooses how much of the suite runs: smoke, default or full (see README "Tiers").
+TIER ?= default
+BUILTIN := --family gpt3 --family llama
+
 .PHONY: setup setup-maxtext parity test test-maxtext lint goldens goldens-maxtext benchmark clean
 
 setup: $(STAMP)
@@ -26,57 +30,40 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt constraints-maxtext.txt
 	  -c constraints-maxtext.txt -e '.[dev,maxtext]'
 	touch $(MAXTEXT_STAMP)
 
-## The main job: a CPU-mesh parity run of the built-in families, printing the agreement matrix.
+## The main job: the built-in families' parity run in one process, a progress line per
+## family x check, then the agreement matrix. Exit 5 (nothing selected) is a failure too.
 parity: $(STAMP)
-	$(BIN)/python -m conformance $(ARGS)
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(ARGS)
 
-## Each suite module, then the harness's own tests, each in its own process: in one long
-## process, jaxlib 0.12.0.1 segfaults reading an executable from the persistent
-## compilation cache after a few hundred compilations. pytest's exit code 5 (nothing
-## collected) is a failure when no suite module collected anything, or for tests/.
-SUITE_MODULES := $(sort $(wildcard conformance/suite/test_*.py))
-
-## $(call run-modules,python,targets,pytest args)
-define run-modules
-	@status=0; ran=0; for target in $(2); do \
-	  $(1) -m pytest -p no:cacheprovider $$target $(3); code=$$?; \
-	  if [ $$code -eq 5 ] && [ $$target != tests ]; then continue; fi; \
-	  if [ $$code -eq 5 ]; then echo "error: pytest collected no tests in $$target" >&2; code=1; fi; \
-	  if [ $$target != tests ]; then ran=1; fi; \
-	  if [ $$code -ne 0 ]; then status=$$code; fi; \
-	done; \
-	if [ $$ran -eq 0 ]; then echo "error: pytest collected no suite tests" >&2; status=1; fi; \
-	exit $$status
-endef
-
+## The parity run, then the harness's own tests (units and the planted-fault catalogue,
+## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).
 test: $(STAMP)
-	$(call run-modules,$(BIN)/python,$(SUITE_MODULES) tests,$(ARGS))
+	@status=0; \
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(ARGS) || status=$$?; \
+	$(BIN)/python -m pytest -p no:cacheprovider tests --tier $(TIER) || status=$$?; \
+	exit $$status
 
 ## The MaxText families alone, in the maxtext venv (the default run skips them there).
 ## It first fails if they would skip: an unusable maxtext must not pass as all-skipped.
 MAXTEXT_READY := import sys; from conformance.families import select; \
   sys.exit("\n".join(f"{f.name}: {r}" for f in select(["maxtext-*"]) if (r := f.unavailable())) or None)
 
-## MAXTEXT_SCOPE is what CI affords beside `make test`: MaxText's default scanned layout on
-## the 3-axis mesh, without the multi-step variants (grad_accumulation, layout) that hold
-## the known divergences. `make test-maxtext MAXTEXT_SCOPE=` runs everything.
-MAXTEXT_SCOPE ?= --mesh data=2,fsdp=2,tensor=2 -k 'not loop and not grad_accumulation and not test_layout'
-
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -c '$(MAXTEXT_READY)'
-	$(call run-modules,$(MAXTEXT_VENV)/bin/python,$(SUITE_MODULES),--family 'maxtext-*' $(MAXTEXT_SCOPE) $(ARGS))
+	$(MAXTEXT_VENV)/bin/python -m conformance --family 'maxtext-*' --tier $(TIER) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 ## Regenerate goldens for the selected tests only (ARGS narrows, e.g. ARGS='--family gpt3').
+## Only golden tests run (-m golden), at the full tier, so every golden the suite claims is written.
 goldens: $(STAMP)
-	$(BIN)/python -m pytest conformance/suite --snapshot-update $(ARGS)
+	$(BIN)/python -m pytest conformance/suite -m golden --snapshot-update --tier full $(ARGS)
 
 goldens-maxtext: $(MAXTEXT_STAMP)
-	$(MAXTEXT_VENV)/bin/python -m pytest conformance/suite --snapshot-update --family 'maxtext-*' \
-	  $(MAXTEXT_SCOPE) $(ARGS)
+	$(MAXTEXT_VENV)/bin/python -m pytest conformance/suite -m golden --snapshot-update --family 'maxtext-*' \
+	  --tier $(TIER) $(ARGS)
 
 benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)

@@ -1,10 +1,15 @@
 """Report the conformance suite's wall time, cold and with a warm compilation cache.
 
-Runs the suite twice in fresh processes sharing a new persistent compilation cache:
-first cold (empty cache), then warm. Prints total wall time per run, the warm time per
-area (suite module: forward, train step, checkpoint, decode, ...) and per check (summed
-test durations from pytest's JUnit XML). Extra arguments are passed to
-pytest, e.g. ``python scripts/benchmark.py -k forward`` or ``-n 2``.
+Runs the suite twice, each in one fresh process, sharing a new persistent compilation
+cache: first cold (the cache is empty, every program compiles), then warm (every
+program is read back from the cache). Prints for each run its wall time, how many
+programs XLA compiled and for how long, and the peak count of memory mappings; then,
+per area (suite module: forward, train step, checkpoint, ...) and per check, the tests,
+their seconds and their compiles in each run.
+
+``--tier`` (default ``default``) and ``--family`` choose what runs (default: the
+built-in families); any other argument goes to pytest, e.g.
+``python scripts/benchmark.py --tier smoke -k forward``.
 
 This is a benchmark, not a test: it never fails on a time.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,62 +28,80 @@ from collections import defaultdict
 from pathlib import Path
 
 SUITE = "conformance/suite"
+BUILTIN = ("gpt3", "llama")
+SUMMARY = re.compile(r"^(XLA made .*|compiled programs released .*|\d+ passed.*|=+ .* =+)$")
 
 
-def run_suite(cache_dir: Path, junit: Path, pytest_args: list[str]) -> tuple[float, int]:
-    """Run the suite once; return (wall seconds, pytest exit code)."""
+def run_suite(cache_dir: Path, junit: Path, pytest_args: list[str]) -> tuple[float, int, list[str]]:
+    """Run the suite once; return (wall seconds, pytest exit code, its summary lines)."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache_dir))
+    env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
     command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        SUITE,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--junitxml={junit}",
-        *pytest_args,
+        *(sys.executable, "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider"),
+        *(f"--junitxml={junit}", "-o", "junit_family=xunit1", *pytest_args),
     ]
     start = time.perf_counter()
-    code = subprocess.call(command, env=env, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start, code
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    lines = [line for line in done.stdout.splitlines() if SUMMARY.match(line)]
+    return wall, done.returncode, [line for line in lines if not line.startswith("=")]
 
 
-def totals(junit: Path, key: str) -> dict[str, tuple[int, float]]:
-    """``{name: (tests, seconds)}`` from a JUnit XML report, by check or by area.
+def totals(junit: Path, key: str) -> dict[str, tuple[int, float, int, float]]:
+    """``{name: (tests, seconds, compiles, compile seconds)}`` from a JUnit XML report.
 
     A check is a test function without ``test_``; an area is a suite module without
     ``test_`` (``decode`` for ``conformance/suite/test_decode.py``).
     """
-    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
     for case in ET.parse(junit).iter("testcase"):
         if key == "check":
             name = case.get("name", "").split("[")[0].removeprefix("test_")
         else:
             name = case.get("classname", "").rsplit(".", 1)[-1].removeprefix("test_")
-        sums[name][0] += 1
-        sums[name][1] += float(case.get("time", 0))
-    return {k: (int(n), t) for k, (n, t) in sorted(sums.items())}
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        row = sums[name]
+        row[0] += 1
+        row[1] += float(case.get("time", 0))
+        row[2] += int(props.get("compiles", 0))
+        row[3] += float(props.get("compile_s", 0.0))
+    return {k: (int(n), t, int(c), cs) for k, (n, t, c, cs) in sorted(sums.items())}
 
 
 def main() -> int:
     """Run cold then warm and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _, pytest_args = parser.parse_known_args()
+    parser.add_argument("--tier", default="default")
+    parser.add_argument("--family", action="append", default=[])
+    args, pytest_args = parser.parse_known_args()
+    families = args.family or list(BUILTIN)
+    pytest_args = [
+        "--tier",
+        args.tier,
+        *(a for f in families for a in ("--family", f)),
+        *pytest_args,
+    ]
+    runs = {}
     with tempfile.TemporaryDirectory(prefix="conformance-bench-") as tmp:
         tmp_path = Path(tmp)
-        cold, cold_code = run_suite(tmp_path / "cache", tmp_path / "cold.xml", pytest_args)
-        warm, warm_code = run_suite(tmp_path / "cache", tmp_path / "warm.xml", pytest_args)
-        areas = totals(tmp_path / "warm.xml", "area")
-        checks = totals(tmp_path / "warm.xml", "check")
-    print(
-        f"suite wall time: cold {cold:.1f} s (exit {cold_code}), "
-        f"warm cache {warm:.1f} s (exit {warm_code}); {os.cpu_count()} CPU cores"
-    )
-    for title, table in (("by area", areas), ("by check", checks)):
-        print(title)
-        for name, (count, seconds) in table.items():
-            print(f"  {name:<22} {count:>3} tests  {seconds:7.1f} s warm")
+        for name in ("cold", "warm"):
+            junit = tmp_path / f"{name}.xml"
+            wall, code, lines = run_suite(tmp_path / "cache", junit, pytest_args)
+            runs[name] = (wall, code, lines, totals(junit, "area"), totals(junit, "check"))
+    print(f"tier {args.tier}, families {', '.join(families)}; {os.cpu_count()} CPU cores")
+    for name, (wall, code, lines, _, _) in runs.items():
+        print(f"{name:>4}: {wall:7.1f} s wall, exit {code}")
+        for line in lines:
+            print(f"        {line}")
+    for index, title in ((3, "by area"), (4, "by check")):
+        print(f"{title}: tests, then per run seconds and compiles (compile seconds)")
+        for key, (count, *_) in runs["cold"][index].items():
+            cells = [
+                f"{run[index][key][1]:7.1f} s {run[index][key][2]:>5} ({run[index][key][3]:6.1f} s)"
+                for run in runs.values()
+                if key in run[index]
+            ]
+            print(f"  {key:<22} {count:>3}  cold {cells[0]}  warm {cells[-1]}")
     return 0
 
 
