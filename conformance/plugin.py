@@ -302,7 +302,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (left_out if tier_leaves_out(tier, family, item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-    order = {f.name: i for i, f in enumerate(config.stash[_FAMILIES])}
+    families = {f.name: i for i, f in enumerate(config.stash[_FAMILIES])}
+    meshes = {m.id: i for i, m in enumerate(config.stash[_MESHES]["mesh"])}
     primary = run_meshes(config)[0]
 
     def rank(item: pytest.Item) -> tuple[Any, ...]:
@@ -310,7 +311,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is None:
             return (-1,)
         family, scan, mesh = group
-        return (order.get(family, len(order)), scan, mesh)
+        return (families.get(family, len(families)), scan, meshes.get(mesh, len(meshes)))
 
     items[:] = sorted(kept, key=rank)
 
