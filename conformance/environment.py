@@ -8,7 +8,6 @@ harmlessly, from the pytest plugin's ``pytest_configure``.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 HOST_DEVICE_COUNT = 8
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -18,20 +17,15 @@ XLA_OPT_LEVELS = ("low", "full")
 ``full``: XLA's defaults, as production code compiles."""
 
 
-def default_cache_dir() -> Path:
-    """``$JAX_COMPILATION_CACHE_DIR``, else ``$XDG_CACHE_HOME/linen-nnx-conformance/jax``."""
-    if explicit := os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return Path(explicit)
-    cache_home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache_home / "linen-nnx-conformance" / "jax"
-
-
 def configure_host_platform(device_count: int = HOST_DEVICE_COUNT) -> None:
-    """Ask XLA for ``device_count`` CPU devices and turn on the persistent compilation cache.
+    """Ask XLA for ``device_count`` CPU devices; cache every program if a cache is chosen.
 
     A user's own choice always wins: if ``JAX_PLATFORMS`` names something other than the
     CPU, or ``XLA_FLAGS`` already sets a host device count, the device count is left
-    alone. Every compiled program is cached, however fast it compiled.
+    alone. The persistent compilation cache stays off unless ``JAX_COMPILATION_CACHE_DIR``
+    names one: with jaxlib 0.12.0.1, a process that runs executables read back from it
+    aborts now and then (SIGABRT on a host transfer). When it is on, every program is
+    cached, however fast it compiled.
     """
     platforms = os.environ.get("JAX_PLATFORMS", "")
     flags = os.environ.get("XLA_FLAGS", "")
@@ -40,9 +34,9 @@ def configure_host_platform(device_count: int = HOST_DEVICE_COUNT) -> None:
 
     import jax  # importing jax starts no backend: XLA_FLAGS above still takes effect
 
-    jax.config.update("jax_compilation_cache_dir", str(default_cache_dir()))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def set_xla_opt(level: str) -> None:
