@@ -44,6 +44,9 @@ def run_suite(cache_dir: Path, junit: Path, pytest_args: list[str]) -> tuple[flo
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     lines = [line for line in done.stdout.splitlines() if SUMMARY.match(line)]
+    if not junit.exists():  # the process died: show how
+        output = (done.stdout + done.stderr).splitlines()
+        lines += ["the process left no report; its last output:", *output[-25:]]
     return wall, done.returncode, [line for line in lines if not line.startswith("=")]
 
 
@@ -54,6 +57,8 @@ def totals(junit: Path, key: str) -> dict[str, tuple[int, float, int, float]]:
     ``test_`` (``decode`` for ``conformance/suite/test_decode.py``).
     """
     sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0.0])
+    if not junit.exists():
+        return {}
     for case in ET.parse(junit).iter("testcase"):
         if key == "check":
             name = case.get("name", "").split("[")[0].removeprefix("test_")
@@ -96,12 +101,14 @@ def main() -> int:
     for index, title in ((3, "by area"), (4, "by check")):
         print(f"{title}: tests, then per run seconds and compiles (compile seconds)")
         for key, (count, *_) in runs["cold"][index].items():
-            cells = [
-                f"{run[index][key][1]:7.1f} s {run[index][key][2]:>5} ({run[index][key][3]:6.1f} s)"
-                for run in runs.values()
+            cells = {
+                name: f"{run[index][key][1]:7.1f} s {run[index][key][2]:>5} "
+                f"({run[index][key][3]:6.1f} s)"
+                for name, run in runs.items()
                 if key in run[index]
-            ]
-            print(f"  {key:<22} {count:>3}  cold {cells[0]}  warm {cells[-1]}")
+            }
+            row = "  ".join(f"{name} {cell}" for name, cell in cells.items())
+            print(f"  {key:<22} {count:>3}  {row}")
     return 0
 
 
