@@ -76,6 +76,11 @@ class Capabilities:
     aqt: bool = False
     """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
 
+    @property
+    def preferred_scan_layers(self) -> bool:
+        """The family's preferred layer layout: the first of :attr:`scan_layers`."""
+        return self.scan_layers[0] if self.scan_layers else False
+
 
 class Family(abc.ABC):
     """One model family, written for both backends.

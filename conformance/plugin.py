@@ -38,7 +38,7 @@ _FAMILIES = pytest.StashKey[list[registry.Family]]()
 _MESHES = pytest.StashKey[dict[str, list[MeshSpec]]]()
 _CLAIMED = pytest.StashKey[set[Path]]()
 _TIER = pytest.StashKey[Tier]()
-_COLLECTED = pytest.StashKey[list[pytest.Item]]()
+_COLLECTED = pytest.StashKey[set[str]]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -125,7 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(CompileClock(), "conformance-compiles")
     if config.getoption("progress"):
         header = pytest_report_header(config) if config.option.verbose < 0 else []
-        progress = Progress(header, lambda item: _progress_label(item, run_meshes(config)[0]))
+        progress = Progress(header, _progress_label)
         config.pluginmanager.register(progress, "conformance-progress")
 
 
@@ -148,9 +148,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
-def _progress_label(item: pytest.Item, primary: MeshSpec) -> str:
+def _progress_label(item: pytest.Item) -> str:
     """``family layout mesh check`` for a progress line, aligned in columns."""
-    group = group_of(item, primary)
+    group = group_of(item)
     if group is None:
         return f"{check_name(item):<22}"
     family, scan, mesh = group
@@ -287,7 +287,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run together; see :class:`ScopePerGroup`.
     """
     tier = config.stash[_TIER]
-    config.stash[_COLLECTED] = list(items)
+    config.stash[_COLLECTED] = {f.name for item in items if (f := _family_of(item)) is not None}
     kept, left_out = [], []
     for item in items:
         if (path := _golden_of(item)) is not None:
@@ -304,10 +304,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         config.hook.pytest_deselected(items=left_out)
     families = {f.name: i for i, f in enumerate(config.stash[_FAMILIES])}
     meshes = {m.id: i for i, m in enumerate(config.stash[_MESHES]["mesh"])}
-    primary = run_meshes(config)[0]
 
     def rank(item: pytest.Item) -> tuple[Any, ...]:
-        group = group_of(item, primary)
+        group = group_of(item)
         if group is None:
             return (-1,)
         family, scan, mesh = group
@@ -329,18 +328,22 @@ Group = tuple[str, bool, str]
 """``(family, scan_layers, mesh id)``: tests that can share compiled programs."""
 
 
-def group_of(item: pytest.Item | None, primary: MeshSpec) -> Group | None:
-    """The group of a suite test; ``None`` for anything else."""
+def group_of(item: pytest.Item | None) -> Group | None:
+    """The group of a suite test; ``None`` for anything else.
+
+    A test without a layout parameter joins the family's preferred layout; one without
+    a mesh parameter (it uses ``primary_mesh``, or none) joins the primary mesh.
+    """
     family = _family_of(item) if item is not None else None
     if family is None:
         return None
     params = item.callspec.params
     scan = params.get("scan_layers")
     if scan is None:
-        scan = family.capabilities.scan_layers[0] if family.capabilities.scan_layers else False
+        scan = family.capabilities.preferred_scan_layers
     mesh = params.get("mesh")
     if not isinstance(mesh, MeshSpec):
-        mesh = primary
+        mesh = run_meshes(item.config)[0]
     return (family.name, bool(scan), mesh.id)
 
 
@@ -348,9 +351,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Stop with a usage error if the selection removed every test of a chosen family."""
     config = session.config
     chosen = {f.name for f in config.stash[_FAMILIES]}
-    collected = {_family_of(item) for item in config.stash.get(_COLLECTED, [])} - {None}
+    collected = config.stash.get(_COLLECTED, set())
     running = {f.name for item in session.items if (f := _family_of(item)) is not None}
-    emptied = sorted(f.name for f in collected if f.name in chosen and f.name not in running)
+    emptied = sorted((collected & chosen) - running)
     if emptied:
         how = f"tier {config.stash[_TIER].name!r}"
         for flag, option in (("-k", "keyword"), ("-m", "markexpr")):
@@ -545,11 +548,10 @@ class ScopePerGroup:
         try:
             return (yield)
         finally:
-            primary = run_meshes(item.config)[0]
-            group = group_of(item, primary)
+            group = group_of(item)
             mappings = scope.mapping_count() or 0
             self.peak = max(self.peak, mappings)
-            if group is not None and group != group_of(nextitem, primary):
+            if group is not None and group != group_of(nextitem):
                 self.releases += 1
                 scope.release()
             elif self.budget is not None and mappings > self.budget:

@@ -68,9 +68,9 @@ class Tier:
         mesh = params.get("mesh")
         if isinstance(mesh, MeshSpec) and self.meshes is not None and mesh.id not in self.meshes:
             return f"mesh {mesh.id}"
-        layouts = family.capabilities.scan_layers
+        preferred = family.capabilities.preferred_scan_layers
         scan = params.get("scan_layers")
-        if self.one_layout and scan is not None and layouts and scan != layouts[0]:
+        if self.one_layout and scan is not None and scan != preferred:
             return f"layout {'scan' if scan else 'loop'}"
         if dtype_id and self.dtypes is not None and dtype_id not in self.dtypes:
             return f"dtype {dtype_id}"
@@ -80,7 +80,7 @@ class Tier:
         pair = params.get("layouts")
         if self.same_layout_conversions and isinstance(pair, str):
             source, _, target = pair.partition("-")
-            first = "scan" if layouts and layouts[0] else "loop"
+            first = "scan" if preferred else "loop"
             if source != target or (self.one_layout and source != first):
                 return f"checkpoint conversion {pair}"
         return ""

@@ -26,16 +26,19 @@ def goldens(pytester):
     return sorted(str(p.relative_to(pytester.path)) for p in pytester.path.rglob("*.json"))
 
 
-def test_unknown_family_is_a_usage_error_listing_known_ones(pytester):
-    result = pytester.runpytest("--family", "nope")
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--family", "nope", "*unknown family 'nope'; known families: gpt3, llama*"),
+        ("--mesh", "3x3", "*malformed mesh spec '3x3'; use 'axis=N*"),
+        ("--tier", "nightly", "*unknown tier 'nightly'; valid tiers: smoke (*), default (*)*"),
+    ],
+    ids=["unknown-family", "malformed-mesh", "unknown-tier"],
+)
+def test_bad_option_is_a_usage_error_naming_the_valid_values(pytester, option, value, message):
+    result = pytester.runpytest(option, value)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown family 'nope'; known families: gpt3, llama*"])
-
-
-def test_malformed_mesh_is_a_usage_error_naming_valid_forms(pytester):
-    result = pytester.runpytest("--mesh", "3x3")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*malformed mesh spec '3x3'; use 'axis=N*"])
+    result.stderr.fnmatch_lines([message])
 
 
 def test_missing_golden_fails_and_says_how_to_create_it(project):
@@ -125,12 +128,6 @@ def test_awq(family, quant):
     result.stdout.fnmatch_lines(
         [f"*gpt3 declares no awq quantization mode (it declares {declared})"]
     )
-
-
-def test_unknown_tier_is_a_usage_error_listing_the_tiers(pytester):
-    result = pytester.runpytest("--tier", "nightly")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*unknown tier 'nightly'; valid tiers: smoke (*), default (*)*"])
 
 
 def test_smoke_tier_keeps_the_preferred_layout_and_claims_every_golden(project):
