@@ -14,7 +14,7 @@ class TransformerConfig:
 
     ``dtype`` is the compute dtype (float32 or bfloat16); ``param_dtype`` the dtype
     parameters are stored in. ``rope_base`` is used by llama and ignored by gpt3. With
-    ``aqt_mode`` every projection runs through AQT (see :mod:`models.aqt`).
+    ``aqt_mode`` every projection runs through AQT (see :mod:`conformance_models.aqt`).
     """
 
     vocab_size: int

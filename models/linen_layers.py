@@ -1,6 +1,6 @@
 """Parameter-owning building blocks shared by the Linen implementations of every family.
 
-Their NNX counterparts live in :mod:`models.nnx_layers`: each backend names, annotates
+Their NNX counterparts live in :mod:`conformance_models.nnx_layers`: each backend names, annotates
 and initialises its own parameters, so the two are written separately.
 """
 
@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models import aqt, common
-from models.common import EMBED_INIT, kernel_init
-from models.config import TransformerConfig
+from conformance_models import aqt, common
+from conformance_models.common import EMBED_INIT, kernel_init
+from conformance_models.config import TransformerConfig
 
 
 class DenseGeneral(nn.Module):
@@ -22,7 +22,7 @@ class DenseGeneral(nn.Module):
 
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
     bias (if ``use_bias``) is ``out_shape`` with the trailing names. With ``aqt_mode``
-    the contraction runs through AQT int8 (:mod:`models.aqt`); in ``serve`` mode there
+    the contraction runs through AQT int8 (:mod:`conformance_models.aqt`); in ``serve`` mode there
     is no float kernel, only the frozen one in the ``aqt`` collection.
     """
 
@@ -102,7 +102,8 @@ class KVCache(nn.Module):
     row's next free slot ``index`` ``[batch]``. Called with the layer's new keys and
     values, it returns the keys, values and mask to attend with: in ``forward`` mode
     the inputs themselves; in ``prefill`` and ``decode`` it writes them (see
-    :func:`models.common.prefill_cache` and :func:`models.common.decode_cache`). As in
+    :func:`conformance_models.common.prefill_cache` and
+    :func:`conformance_models.common.decode_cache`). As in
     Flax's own attention, the variables are created zero on first use and written only
     once they exist, so ``init`` in ``prefill`` mode yields an empty cache.
     """

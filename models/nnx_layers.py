@@ -1,6 +1,6 @@
 """Parameter-owning building blocks shared by the NNX implementations of every family.
 
-Their Linen counterparts live in :mod:`models.linen_layers`: each backend names,
+Their Linen counterparts live in :mod:`conformance_models.linen_layers`: each backend names,
 annotates and initialises its own parameters, so the two are written separately.
 """
 
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import aqt, common
-from models.common import EMBED_INIT, kernel_init
-from models.config import TransformerConfig
+from conformance_models import aqt, common
+from conformance_models.common import EMBED_INIT, kernel_init
+from conformance_models.config import TransformerConfig
 
 
 class DenseGeneral(nnx.Module):
@@ -23,7 +23,7 @@ class DenseGeneral(nnx.Module):
 
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
     bias (if ``use_bias``) is ``out_shape`` with the trailing names, else ``None``. With
-    ``aqt_mode`` the contraction runs through AQT int8 (:mod:`models.aqt`, bridged from
+    ``aqt_mode`` the contraction runs through AQT int8 (:mod:`conformance_models.aqt`, bridged from
     Linen); in ``serve`` mode there is no float kernel, only the frozen one.
     """
 
@@ -121,8 +121,8 @@ class KVCache(nnx.Module):
     row's next free slot ``index`` ``[batch]``, all ``None`` until :meth:`init`. Called
     with the layer's new keys and values, it returns the keys, values and mask to
     attend with: in ``forward`` mode the inputs themselves; in ``prefill`` and
-    ``decode`` it writes them (see :func:`models.common.prefill_cache` and
-    :func:`models.common.decode_cache`).
+    ``decode`` it writes them (see :func:`conformance_models.common.prefill_cache` and
+    :func:`conformance_models.common.decode_cache`).
     """
 
     def __init__(self, config: TransformerConfig) -> None:

@@ -11,9 +11,9 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
-from models.common import LOGICAL_AXIS_RULES
-from models.config import TransformerConfig
-from models.data import make_batch
+from conformance_models.common import LOGICAL_AXIS_RULES
+from conformance_models.config import TransformerConfig
+from conformance_models.data import make_batch
 
 
 class TransformerFamily(Family):
@@ -68,5 +68,5 @@ class TransformerFamily(Family):
         return ((r"^layers_(?P<layer>\d+)/", "layers/"),)
 
     def logical_axis_rules(self) -> LogicalRules:
-        """Return :data:`models.common.LOGICAL_AXIS_RULES`."""
+        """Return :data:`conformance_models.common.LOGICAL_AXIS_RULES`."""
         return LOGICAL_AXIS_RULES

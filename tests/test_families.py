@@ -7,8 +7,8 @@ import pytest
 
 from conformance import families
 from conformance.plugin import known_divergence
-from models.gpt3.family import Gpt3Family
-from models.maxtext.family import MAXTEXT_VERSION, MaxTextFamily
+from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.maxtext.family import MAXTEXT_VERSION, MaxTextFamily
 
 MAXTEXT = ["maxtext-deepseek3", "maxtext-gemma2", "maxtext-gpt3", "maxtext-llama2"]
 

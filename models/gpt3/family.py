@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from models.config import TransformerConfig
-from models.gpt3 import linen_model, nnx_model
-from models.transformer_family import TransformerFamily
+from conformance_models.config import TransformerConfig
+from conformance_models.gpt3 import linen_model, nnx_model
+from conformance_models.transformer_family import TransformerFamily
 
 
 class Gpt3Family(TransformerFamily):

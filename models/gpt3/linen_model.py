@@ -1,6 +1,6 @@
 """GPT-3-style decoder written with Flax Linen.
 
-Submodules and parameters are named exactly as in :mod:`models.gpt3.nnx_model`; the
+Submodules and parameters are named exactly as in :mod:`conformance_models.gpt3.nnx_model`; the
 only difference in paths is the unscanned layer list (``layers_0`` here, ``layers/0``
 in NNX).
 """
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from models import common
-from models.config import TransformerConfig
-from models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
+from conformance_models import common
+from conformance_models.config import TransformerConfig
+from conformance_models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
 
 
 class LayerNorm(nn.Module):

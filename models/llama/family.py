@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from models.config import TransformerConfig
-from models.llama import linen_model, nnx_model
-from models.transformer_family import TransformerFamily
+from conformance_models.config import TransformerConfig
+from conformance_models.llama import linen_model, nnx_model
+from conformance_models.transformer_family import TransformerFamily
 
 
 class LlamaFamily(TransformerFamily):

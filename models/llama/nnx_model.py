@@ -1,6 +1,6 @@
 """Llama-style decoder written with Flax NNX.
 
-Submodules and parameters are named exactly as in :mod:`models.llama.linen_model`; the
+Submodules and parameters are named exactly as in :mod:`conformance_models.llama.linen_model`; the
 only difference in paths is the unscanned layer list (``layers/0`` here, ``layers_0``
 in Linen).
 """
@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import common
-from models.config import TransformerConfig
-from models.nnx_layers import (
+from conformance_models import common
+from conformance_models.config import TransformerConfig
+from conformance_models.nnx_layers import (
     DenseGeneral,
     Embed,
     KVCache,

@@ -27,8 +27,8 @@ from conformance.families import (
     PathRules,
     QuantScope,
 )
-from models.data import make_batch
-from models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
+from conformance_models.data import make_batch
+from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
 
 MAXTEXT_VERSION = "0.2.4"
 """The release the adapter targets: the last one with both a Linen and an NNX path."""
@@ -87,13 +87,13 @@ class MaxTextFamily(Family):
 
     def linen_module(self, config: MaxTextConfig) -> nn.Module:
         """MaxText's ``TransformerLinenPure`` for ``config``."""
-        from models.maxtext.modules import linen_transformer
+        from conformance_models.maxtext.modules import linen_transformer
 
         return linen_transformer(config)
 
     def nnx_module(self, config: MaxTextConfig, rngs: nnx.Rngs) -> nnx.Module:
         """MaxText's NNX ``Transformer`` for ``config``."""
-        from models.maxtext.modules import nnx_transformer
+        from conformance_models.maxtext.modules import nnx_transformer
 
         return nnx_transformer(config, rngs)
 

@@ -18,7 +18,7 @@ from maxtext.layers import quantizations
 from maxtext.models.models import Transformer, TransformerLinenPure
 from maxtext.utils import maxtext_utils
 
-from models.maxtext.config import MaxTextConfig, hyperparameters
+from conformance_models.maxtext.config import MaxTextConfig, hyperparameters
 
 
 def _mesh_and_quant(hp: Any) -> tuple[jax.sharding.Mesh, Any]:

@@ -25,9 +25,9 @@ from conformance.decoding import decode_positions as decoding_positions
 from conformance.families import Family, QuantScope
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
-from models import nnx_layers
-from models.gpt3.family import Gpt3Family
-from models.llama.family import LlamaFamily
+from conformance_models import nnx_layers
+from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.llama.family import LlamaFamily
 
 
 class _NnxConfigFault:
