@@ -40,7 +40,7 @@ parity: $(STAMP)
 test: $(STAMP)
 	@status=0; \
 	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(ARGS) || status=$$?; \
-	$(BIN)/python -m pytest -p no:cacheprovider tests --tier $(TIER) || status=$$?; \
+	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) || status=$$?; \
 	exit $$status
 
 ## The MaxText families alone, in the maxtext venv (the default run skips them there).
@@ -59,10 +59,10 @@ lint: $(STAMP)
 ## Regenerate goldens for the selected tests only (ARGS narrows, e.g. ARGS='--family gpt3').
 ## Only golden tests run (-m golden), at the full tier, so every golden the suite claims is written.
 goldens: $(STAMP)
-	$(BIN)/python -m pytest conformance/suite -m golden --snapshot-update --tier full $(ARGS)
+	$(BIN)/python -m conformance -m golden --snapshot-update --tier full $(ARGS)
 
 goldens-maxtext: $(MAXTEXT_STAMP)
-	$(MAXTEXT_VENV)/bin/python -m pytest conformance/suite -m golden --snapshot-update --family 'maxtext-*' \
+	$(MAXTEXT_VENV)/bin/python -m conformance -m golden --snapshot-update --family 'maxtext-*' \
 	  --tier $(TIER) $(ARGS)
 
 benchmark: $(STAMP)

@@ -211,39 +211,65 @@ def _load(entry_point: Any) -> Family:
     return family
 
 
+DISTRIBUTION = "linen-nnx-conformance"
+"""The distribution that ships the built-in families (gpt3, llama, maxtext-*)."""
+
+
 @functools.cache
-def registry() -> Mapping[str, Family]:
-    """All families reachable through the entry point group, by name, sorted."""
-    found = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    return {name: _load(found[name]) for name in sorted(found)}
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def select(patterns: Sequence[str]) -> list[Family]:
+@functools.cache
+def _loaded(name: str) -> Family:
+    return _load(_entry_points()[name])
+
+
+def builtin(name: str) -> bool:
+    """Whether the family registered as ``name`` is one this package ships."""
+    dist = getattr(_entry_points()[name], "dist", None)
+    return dist is not None and dist.name == DISTRIBUTION
+
+
+def registry(*, include_builtin: bool = True) -> Mapping[str, Family]:
+    """The families reachable through the entry point group, by name, sorted.
+
+    ``include_builtin=False`` leaves out those this package ships (:func:`builtin`),
+    without loading them.
+    """
+    names = sorted(n for n in _entry_points() if include_builtin or not builtin(n))
+    return {name: _loaded(name) for name in names}
+
+
+def select(patterns: Sequence[str], *, include_builtin: bool = True) -> list[Family]:
     """The families ``patterns`` name, in order and each once; all when it is empty.
 
     A pattern is a family name or an ``fnmatch`` glob such as ``maxtext-*``; one that
-    matches nothing raises :class:`FamilyError` listing the known names.
+    matches nothing raises :class:`FamilyError` listing the known names. With
+    ``include_builtin=False``, an empty ``patterns`` selects only third-party families
+    (names and globs still reach every family).
     """
     if not patterns:
-        return list(registry().values())
+        return list(registry(include_builtin=include_builtin).values())
     chosen: dict[str, Family] = {}
     for pattern in patterns:
         if not any(c in pattern for c in "*?["):
             chosen.setdefault(pattern, get(pattern))
             continue
-        names = fnmatch.filter(registry(), pattern)
+        names = fnmatch.filter(_entry_points(), pattern)
         if not names:
-            known = ", ".join(registry()) or "none (is the package installed?)"
-            raise FamilyError(f"no family matches {pattern!r}; known families: {known}")
-        for name in names:
-            chosen.setdefault(name, registry()[name])
+            raise FamilyError(f"no family matches {pattern!r}; known families: {_known()}")
+        for name in sorted(names):
+            chosen.setdefault(name, _loaded(name))
     return list(chosen.values())
+
+
+def _known() -> str:
+    return ", ".join(sorted(_entry_points())) or "none (is the package installed?)"
 
 
 def get(name: str) -> Family:
     """Return the family registered as ``name``; a :class:`FamilyError` lists the known ones."""
-    families = registry()
-    if name not in families:
-        known = ", ".join(families) or "none (is the package installed?)"
-        raise FamilyError(f"unknown family {name!r}; known families: {known}")
-    return families[name]
+    if name not in _entry_points():
+        raise FamilyError(f"unknown family {name!r}; known families: {_known()}")
+    return _loaded(name)

@@ -9,6 +9,7 @@ and their :class:`~conformance.scope.Scope` is released when the group changes.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import conformance.suite
 from conformance import families as registry
 from conformance import scope
 from conformance.checks import CheckFailure
@@ -39,13 +41,19 @@ _MESHES = pytest.StashKey[dict[str, list[MeshSpec]]]()
 _CLAIMED = pytest.StashKey[set[Path]]()
 _TIER = pytest.StashKey[Tier]()
 _COLLECTED = pytest.StashKey[set[str]]()
+_ACTIVE = pytest.StashKey[bool]()
+
+
+OPTION_PREFIX = "--conformance-"
+"""Every command-line option of the plugin starts with this, so none can clash with a host
+project's own; ``python -m conformance`` also takes them without the prefix."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Declare ``--family``, ``--mesh``, ``--topology`` and the goldens ini option."""
+    """Declare the ``--conformance-*`` options and the ``conformance_*`` ini options."""
     group = parser.getgroup("conformance", "Linen/NNX conformance")
     group.addoption(
-        "--family",
+        "--conformance-family",
         action="append",
         default=[],
         metavar="NAME",
@@ -53,14 +61,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(repeatable); default: every registered family",
     )
     group.addoption(
-        "--mesh",
+        "--conformance-mesh",
         action="append",
         default=[],
         metavar="SPEC",
         help=f"device mesh to run on (repeatable); default: {' and '.join(DEFAULT_MESHES)}",
     )
     group.addoption(
-        "--topology",
+        "--conformance-topology",
         action="append",
         default=[],
         metavar="SPEC",
@@ -68,7 +76,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         f"default: {' and '.join(DEFAULT_TOPOLOGIES)}",
     )
     group.addoption(
-        "--tier",
+        "--conformance-tier",
         default=DEFAULT_TIER,
         metavar="NAME",
         help="how much of the suite to run: "
@@ -76,28 +84,88 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         + f" (default: {DEFAULT_TIER})",
     )
     group.addoption(
-        "--xla-opt",
+        "--conformance-xla-opt",
         default="low",
         choices=XLA_OPT_LEVELS,
         help="XLA optimisation level: low (most passes off, compiles several times faster; "
         "the default) or full (as production code compiles, for a nightly job)",
     )
     group.addoption(
-        "--progress",
+        "--conformance-progress",
         action="store_true",
         help="print one line per family x check as it runs instead of a character per test",
     )
     parser.addini("conformance_goldens", "directory of golden files", default="goldens")
+    parser.addini(
+        "conformance_builtin_families",
+        "run the families this package ships (gpt3, llama, maxtext-*) when no "
+        "--conformance-family is given",
+        type="bool",
+        default=True,
+    )
+
+
+def _option(config: pytest.Config, name: str) -> Any:
+    return config.getoption(f"conformance_{name}")
+
+
+def selects_suite(config: pytest.Config) -> bool:
+    """Whether this run is a conformance run: the plugin acts only then.
+
+    It is when a ``--conformance-*`` option is given, when an argument (a path, or a
+    module with ``--pyargs``) lies inside ``conformance.suite``, or when an argument is
+    a source checkout's directory holding the suite (as ``pytest`` in this repository).
+    Any other pytest run in an environment with this package installed is left alone:
+    no XLA flags, no devices, no parametrization, no report.
+    """
+    defaults = {"family": [], "mesh": [], "topology": [], "tier": DEFAULT_TIER}
+    defaults |= {"xla_opt": "low", "progress": False}
+    if any(_option(config, name) != default for name, default in defaults.items()):
+        return True
+    suite = Path(conformance.suite.__file__).parent
+    installed = "site-packages" in suite.parts
+    for arg in config.args:
+        path = _arg_path(config, arg.split("::")[0])
+        if path is None:
+            continue
+        if path == suite or suite in path.parents:
+            return True
+        if path in suite.parents and not installed:
+            return True
+    return False
+
+
+def _arg_path(config: pytest.Config, arg: str) -> Path | None:
+    if config.option.pyargs:
+        try:
+            spec = importlib.util.find_spec(arg)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.origin is not None:
+            origin = Path(spec.origin)
+            return origin.parent if origin.name == "__init__.py" else origin
+    base = (
+        config.rootpath
+        if config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        else (config.invocation_params.dir)
+    )
+    return (base / arg).resolve()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Validate the options (a usage error lists valid values) and set up the session."""
-    configure_host_platform()
-    set_xla_opt(config.getoption("xla_opt"))
+    """Validate the options (a usage error lists valid values) and set up a conformance run.
+
+    Does nothing to a run that does not select the suite (:func:`selects_suite`).
+    """
     config.addinivalue_line("markers", "golden: the test compares against a golden file")
     config.addinivalue_line(
         "markers",
         "capability(name): run only on families whose Capabilities declare it (else skip)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "layouts(*scan_layers): run only on families supporting each of these layer layouts "
+        "(True: scanned), else skip",
     )
     config.addinivalue_line(
         "markers", "quant_method(name): parametrize `quant` only over modes of this method"
@@ -108,29 +176,49 @@ def pytest_configure(config: pytest.Config) -> None:
         "libraries (a strict xfail), or None",
     )
     try:
-        tier = get_tier(config.getoption("tier"))
-        config.stash[_FAMILIES] = registry.select(config.getoption("family"))
-        config.stash[_MESHES] = {
-            "mesh": [parse_mesh(s) for s in config.getoption("mesh") or DEFAULT_MESHES],
-            "topology": [parse_mesh(s) for s in config.getoption("topology") or DEFAULT_TOPOLOGIES],
-        }
-    except (registry.FamilyError, MeshSpecError, TierError) as err:
+        tier = get_tier(_option(config, "tier"))
+    except TierError as err:
         raise pytest.UsageError(str(err)) from None
-    if config.getoption("mesh"):
-        tier = dataclasses.replace(tier, meshes=None)
     config.stash[_TIER] = tier
+    config.stash[_ACTIVE] = selects_suite(config)
+    if not config.stash[_ACTIVE]:
+        return
+    configure_host_platform()
+    set_xla_opt(_option(config, "xla_opt"))
+    try:
+        builtin = bool(config.getini("conformance_builtin_families"))
+        config.stash[_FAMILIES] = registry.select(
+            _option(config, "family"), include_builtin=builtin
+        )
+        config.stash[_MESHES] = {
+            "mesh": [parse_mesh(s) for s in _option(config, "mesh") or DEFAULT_MESHES],
+            "topology": [parse_mesh(s) for s in _option(config, "topology") or DEFAULT_TOPOLOGIES],
+        }
+    except (registry.FamilyError, MeshSpecError) as err:
+        raise pytest.UsageError(str(err)) from None
+    if _option(config, "mesh"):
+        config.stash[_TIER] = dataclasses.replace(tier, meshes=None)
     config.stash[_CLAIMED] = set()
     config.pluginmanager.register(SessionReport(config), "conformance-report")
     config.pluginmanager.register(ScopePerGroup(), "conformance-scopes")
     config.pluginmanager.register(CompileClock(), "conformance-compiles")
-    if config.getoption("progress"):
-        header = pytest_report_header(config) if config.option.verbose < 0 else []
+    if _option(config, "progress"):
+        header = _header(config) if config.option.verbose < 0 else []
         progress = Progress(header, _progress_label)
         config.pluginmanager.register(progress, "conformance-progress")
 
 
+def active(config: pytest.Config) -> bool:
+    """Whether the plugin acts on this run (see :func:`selects_suite`)."""
+    return config.stash.get(_ACTIVE, False)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """The tier, the meshes and the XLA optimisation level this run uses."""
+    """The tier, the meshes and the XLA optimisation level a conformance run uses."""
+    return _header(config) if active(config) else []
+
+
+def _header(config: pytest.Config) -> list[str]:
     tier = config.stash[_TIER]
     meshes = ", ".join(m.id for m in run_meshes(config))
     kept = [
@@ -143,7 +231,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     families = ", ".join(f.name for f in config.stash[_FAMILIES]) or "none"
     return [
         f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
-        f"conformance: families {families}; XLA optimisation {config.getoption('xla_opt')}; "
+        f"conformance: families {families}; XLA optimisation {_option(config, 'xla_opt')}; "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
     ]
 
@@ -239,7 +327,7 @@ def _skips(
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize a test over every valid combination of the :data:`AXES` it requests."""
-    if "family" not in metafunc.fixturenames:
+    if "family" not in metafunc.fixturenames or not active(metafunc.config):
         return
     argnames = [a for a in AXES if a in metafunc.fixturenames]
     needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
@@ -286,6 +374,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     are ordered so that those sharing compiled programs (same family, layout and mesh)
     run together; see :class:`ScopePerGroup`.
     """
+    if not active(config):
+        return
     tier = config.stash[_TIER]
     config.stash[_COLLECTED] = {f.name for item in items if (f := _family_of(item)) is not None}
     kept, left_out = [], []
@@ -350,6 +440,8 @@ def group_of(item: pytest.Item | None) -> Group | None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Stop with a usage error if the selection removed every test of a chosen family."""
     config = session.config
+    if not active(config):
+        return
     chosen = {f.name for f in config.stash[_FAMILIES]}
     collected = config.stash.get(_COLLECTED, set())
     running = {f.name for item in session.items if (f := _family_of(item)) is not None}
@@ -361,7 +453,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 how += f" and {flag} {value!r}"
         pytest.exit(
             f"the selection ({how}) removed every test of {', '.join(emptied)}; "
-            "widen it or narrow --family",
+            "widen it or narrow --conformance-family",
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
 
@@ -492,13 +584,13 @@ def unused_goldens(config: pytest.Config) -> list[Path]:
     those families; ``-k``/``-m`` do not narrow (claims are taken before deselection).
     """
     narrowed = any("::" in arg for arg in config.args)
-    if narrowed or config.getoption("mesh") or config.getoption("topology"):
+    if narrowed or _option(config, "mesh") or _option(config, "topology"):
         return []
     claimed = config.stash[_CLAIMED]
     checks = {(p.parent.parent.name, p.parent.name) for p in claimed}
     root = goldens_root(config)
     on_disk = {p for fam, check in checks for p in (root / fam / check).glob(f"*{SUFFIX}")}
-    if not config.getoption("family") and claimed:
+    if not _option(config, "family") and claimed:
         known = {f.name for f in config.stash[_FAMILIES]}
         on_disk |= {p for p in root.glob(f"*/*/*{SUFFIX}") if p.parent.parent.name not in known}
     return sorted(on_disk - claimed)

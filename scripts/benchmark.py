@@ -81,9 +81,9 @@ def main() -> int:
     args, pytest_args = parser.parse_known_args()
     families = args.family or list(BUILTIN)
     pytest_args = [
-        "--tier",
+        "--conformance-tier",
         args.tier,
-        *(a for f in families for a in ("--family", f)),
+        *(a for f in families for a in ("--conformance-family", f)),
         *pytest_args,
     ]
     runs = {}

@@ -60,7 +60,7 @@ def test_maxtext_families_say_in_one_line_why_they_cannot_run(monkeypatch, insta
 def test_an_unavailable_family_skips_every_test_with_its_reason(pytester, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", _version(None))
     pytester.makepyfile("def test_anything(family, scan_layers):\n    raise AssertionError\n")
-    result = pytester.runpytest("--family", "maxtext-gpt3", "-rs")
+    result = pytester.runpytest("--conformance-family", "maxtext-gpt3", "-rs")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*SKIPPED [[]2[]]*maxtext-gpt3: maxtext is not installed*"])
 

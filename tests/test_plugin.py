@@ -2,8 +2,12 @@
 
 import pytest
 
+from conformance.__main__ import expand
+
 GOLDEN_TEST = """
 import pytest
+
+from conformance.__main__ import expand
 
 @pytest.mark.golden
 def test_shape(family, scan_layers, golden):
@@ -29,9 +33,13 @@ def goldens(pytester):
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("--family", "nope", "*unknown family 'nope'; known families: gpt3, llama*"),
-        ("--mesh", "3x3", "*malformed mesh spec '3x3'; use 'axis=N*"),
-        ("--tier", "nightly", "*unknown tier 'nightly'; valid tiers: smoke (*), default (*)*"),
+        ("--conformance-family", "nope", "*unknown family 'nope'; known families: gpt3, llama*"),
+        ("--conformance-mesh", "3x3", "*malformed mesh spec '3x3'; use 'axis=N*"),
+        (
+            "--conformance-tier",
+            "nightly",
+            "*unknown tier 'nightly'; valid tiers: smoke (*), default (*)*",
+        ),
     ],
     ids=["unknown-family", "malformed-mesh", "unknown-tier"],
 )
@@ -43,7 +51,7 @@ def test_bad_option_is_a_usage_error_naming_the_valid_values(pytester, option, v
 
 def test_missing_golden_fails_and_says_how_to_create_it(project):
     pytester = project()
-    result = pytester.runpytest("--family", "gpt3")
+    result = pytester.runpytest("--conformance-family", "gpt3")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(
         ["*missing golden *goldens/gpt3/shape/loop.json*", "*regenerate with: make goldens*"]
@@ -52,23 +60,25 @@ def test_missing_golden_fails_and_says_how_to_create_it(project):
 
 def test_update_writes_goldens_then_they_pass(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update").assert_outcomes(passed=2)
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update").assert_outcomes(
+        passed=2
+    )
     assert goldens(pytester) == ["goldens/gpt3/shape/loop.json", "goldens/gpt3/shape/scan.json"]
-    pytester.runpytest("--family", "gpt3").assert_outcomes(passed=2)
+    pytester.runpytest("--conformance-family", "gpt3").assert_outcomes(passed=2)
 
 
 def test_changed_value_fails_with_a_diff(project):
-    project(1).runpytest("--family", "gpt3", "--snapshot-update")
-    result = project(2).runpytest("--family", "gpt3")
+    project(1).runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = project(2).runpytest("--conformance-family", "gpt3")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(['*-*"value": 1*', '*+*"value": 2*'])
 
 
 def test_corrupted_golden_fails_naming_the_file(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
     (pytester.path / "goldens/gpt3/shape/scan.json").write_text('{"family": ')
-    result = pytester.runpytest("--family", "gpt3")
+    result = pytester.runpytest("--conformance-family", "gpt3")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*corrupted golden *goldens/gpt3/shape/scan.json*"])
 
@@ -76,9 +86,9 @@ def test_corrupted_golden_fails_naming_the_file(project):
 @pytest.mark.parametrize("narrowing", [["-k", "loop"], ["test_golden.py::test_shape[gpt3-loop]"]])
 def test_subset_update_never_deletes_other_goldens(project, narrowing):
     pytester = project(1)
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
     pytester = project(2)
-    pytester.runpytest("--family", "gpt3", "--snapshot-update", *narrowing)
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update", *narrowing)
     assert goldens(pytester) == ["goldens/gpt3/shape/loop.json", "goldens/gpt3/shape/scan.json"]
     scan = (pytester.path / "goldens/gpt3/shape/scan.json").read_text()
     loop = (pytester.path / "goldens/gpt3/shape/loop.json").read_text()
@@ -88,11 +98,11 @@ def test_subset_update_never_deletes_other_goldens(project, narrowing):
 
 def test_unused_golden_fails_the_run_and_is_not_deleted(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
     stale = pytester.path / "goldens/gpt3/shape/renamed.json"
     stale.write_text("{}\n")
     for args in ([], ["-k", "loop"], ["--snapshot-update"]):
-        result = pytester.runpytest("--family", "gpt3", *args)
+        result = pytester.runpytest("--conformance-family", "gpt3", *args)
         assert result.ret == pytest.ExitCode.TESTS_FAILED, args
         result.stdout.fnmatch_lines(["*unused goldens*", "*goldens/gpt3/shape/renamed.json"])
     assert stale.exists()
@@ -100,15 +110,17 @@ def test_unused_golden_fails_the_run_and_is_not_deleted(project):
 
 def test_node_id_selection_does_not_report_siblings_unused(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
-    result = pytester.runpytest("--family", "gpt3", "test_golden.py::test_shape[gpt3-loop]")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest(
+        "--conformance-family", "gpt3", "test_golden.py::test_shape[gpt3-loop]"
+    )
     assert result.ret == pytest.ExitCode.OK
 
 
 def test_agreement_matrix_is_printed(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
-    result = pytester.runpytest("--family", "gpt3")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--conformance-family", "gpt3")
     result.stdout.fnmatch_lines(["*Linen/NNX agreement*", "family*shape*", "gpt3*2/2*"])
 
 
@@ -117,12 +129,14 @@ def test_quant_test_without_a_matching_mode_skips_naming_method_and_declared_mod
         test_quant="""
 import pytest
 
+from conformance.__main__ import expand
+
 @pytest.mark.quant_method("awq")
 def test_awq(family, quant):
     raise AssertionError("must not run")
 """
     )
-    result = pytester.runpytest("--family", "gpt3", "-rs")
+    result = pytester.runpytest("--conformance-family", "gpt3", "-rs")
     result.assert_outcomes(skipped=1)
     declared = "ptq_fp8, ptq_int8, qat_fp8, qat_int8"
     result.stdout.fnmatch_lines(
@@ -132,8 +146,8 @@ def test_awq(family, quant):
 
 def test_smoke_tier_keeps_the_preferred_layout_and_claims_every_golden(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
-    result = pytester.runpytest("--family", "gpt3", "--tier", "smoke")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-tier", "smoke")
     result.assert_outcomes(passed=1, deselected=1)
     result.stdout.fnmatch_lines(["*conformance: tier smoke*"])
     assert "unused goldens" not in result.stdout.str()
@@ -141,16 +155,74 @@ def test_smoke_tier_keeps_the_preferred_layout_and_claims_every_golden(project):
 
 def test_a_selection_that_empties_a_family_is_a_usage_error(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
-    result = pytester.runpytest("--family", "gpt3", "--tier", "smoke", "-k", "scan")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest(
+        "--conformance-family", "gpt3", "--conformance-tier", "smoke", "-k", "scan"
+    )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stdout.fnmatch_lines(["*tier 'smoke' and -k 'scan'*removed every test of gpt3*"])
 
 
 def test_progress_prints_a_line_per_family_and_check(project):
     pytester = project()
-    pytester.runpytest("--family", "gpt3", "--snapshot-update")
-    result = pytester.runpytest("--family", "gpt3", "--progress", "-q")
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-progress", "-q")
     result.stdout.fnmatch_lines(
         ["*conformance: tier default*", "*2 tests to run", "*0/2   0%] gpt3 * shape * 1 passed*"]
     )
+
+
+HOST_TEST = """
+import os
+import pytest
+
+from conformance.__main__ import expand
+
+def pytest_addoption(parser):
+    parser.addoption("--family", default="mine")
+    parser.addoption("--tier", default="mine")
+
+@pytest.fixture
+def family(request):
+    return request.config.getoption("family")
+
+def test_host_project(family):
+    import jax
+    assert family == "mine"
+    assert "XLA_FLAGS" not in os.environ
+    assert not jax.config.read("jax_disable_most_optimizations")
+"""
+
+
+def test_plugin_is_inert_in_a_run_that_does_not_select_the_suite(pytester, monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    conftest, test = HOST_TEST.split("def test_host_project")
+    pytester.makeconftest(conftest)
+    pytester.makepyfile("import os\nimport pytest\n\ndef test_host_project" + test)
+    result = pytester.runpytest_subprocess("-v")
+    result.assert_outcomes(passed=1)
+    assert "conformance:" not in result.stdout.str()
+    assert "Linen/NNX agreement" not in result.stdout.str()
+
+
+def test_builtin_families_can_be_left_out_by_ini(pytester):
+    pytester.makeini("[pytest]\nconformance_builtin_families = false\n")
+    pytester.makepyfile("def test_each(family):\n    pass\n")
+    result = pytester.runpytest("--conformance-mesh", "fsdp=8")
+    result.stdout.fnmatch_lines(["*conformance: families none;*"])
+    result.assert_outcomes(skipped=1)  # pytest's "got empty parameter set"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expanded"),
+    [
+        (["--tier", "smoke"], ["--conformance-tier", "smoke"]),
+        (["--family=llama", "-k", "forward"], ["--conformance-family=llama", "-k", "forward"]),
+        (
+            ["--progress", "--mesh", "fsdp=8"],
+            ["--conformance-progress", "--conformance-mesh", "fsdp=8"],
+        ),
+    ],
+)
+def test_main_takes_the_plugin_options_without_their_prefix(argv, expanded):
+    assert expand(argv) == expanded

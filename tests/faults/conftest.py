@@ -22,6 +22,6 @@ def pytest_terminal_summary(terminalreporter, config):
     not_run = planted("skipped")
     if run or not_run:
         caught = sum(r.passed for r in run)
-        tier = config.getoption("tier")
+        tier = config.getoption("conformance_tier")
         line = f"planted faults caught: {caught}/{len(run)} at tier {tier}"
         terminalreporter.write_line(line + (f"; {len(not_run)} not run" if not_run else ""))
