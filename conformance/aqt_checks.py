@@ -40,7 +40,9 @@ from conformance.trees import PathMapError, map_paths, structure_diff
 AQT_MAX_ERROR = 0.06
 """Bound on the relative L2 error of AQT int8 logits against float logits."""
 
-_FROZEN = re.compile(r"^(?P<owner>.*)/AqtDotGeneral_\d+/qrhs/frozen/")
+_FROZEN = re.compile(r"^(?P<owner>.*)/[^/]+/qrhs/frozen/")
+"""A frozen kernel's path: aqtp's ``qrhs/frozen`` under the dot-general submodule (whatever
+the family names it) of the layer that owns the float kernel."""
 
 
 def aqt_sides(family: Family, check: str, config: Any) -> tuple[LinenAqt, NnxAqt, dict[str, str]]:
@@ -180,9 +182,11 @@ def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
 
 
 def check_aqt_serve(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, workdir: Path
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, workdir: Path, *, scan_layers: bool
 ) -> None:
     """A converted serve tree survives orbax, and SERVE from it equals CONVERT, per backend.
+
+    ``config``'s layer layout is ``scan_layers`` (recorded with the checkpoint).
 
     Each side converts its own sharded float init, saves the serve tree (kernel-less
     parameters and frozen kernels, the latter placed as CONVERT made them), restores it
@@ -195,14 +199,16 @@ def check_aqt_serve(
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, aqt in (("Linen", linen), ("NNX", nnx_)):
         convert, serve = aqt.convert_runner, aqt.serve_runner
-        params = convert.init(0, shardings_for(family, convert.logical, mesh, devices))
-        serve_shardings = shardings_for(family, serve.logical, mesh, devices)
+        params = convert.init(0, shardings_for(family, check, convert.logical, mesh, devices))
+        serve_shardings = shardings_for(family, check, serve.logical, mesh, devices)
         logits, frozen = aqt.convert(params, batch)
         tree = {f"params/{p}": jax.device_put(params[p], s) for p, s in serve_shardings.items()}
         tree |= {f"{COLLECTION}/{p}": v for p, v in frozen.items()}
         layout = {f"params/{p}": s for p, s in serve.specs.items()}
         layout |= {f"{COLLECTION}/{p}": s for p, s in aqt.specs.items()}
-        info = checkpoints.CheckpointInfo(family.name, "tiny", side.lower(), config.scan_layers)
+        info = checkpoints.CheckpointInfo(
+            family.name, family.device_size, side.lower(), scan_layers
+        )
         directory = workdir / f"{side.lower()}-aqt-serve"
         checkpoints.save(directory, tree, info)
         try:

@@ -29,14 +29,12 @@ from conformance.train_checks import Side, _advance, compare_steps, linen_and_nn
 from conformance.training import flat_state, linen_trainer, nnx_trainer
 from conformance.trees import Flat, specs
 
-CHECK = "checkpoint"
-
 
 def trained_sides(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh
+    family: Family, check: str, config: Any, mesh: MeshSpec, devices: Mesh
 ) -> tuple[dict[str, Side], Any]:
     """Both backends' placed train states after one step, and the batch used."""
-    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices)
+    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices, check=check)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     _advance(linen, nnx_side, mapping, batch)
     return {"linen": linen, "nnx": nnx_side}, batch
@@ -46,12 +44,14 @@ def _trainer(family: Family, config: Any, backend: str) -> Any:
     return (linen_trainer if backend == "linen" else nnx_trainer)(family, config)
 
 
-def restore_checked(family: Family, directory: Path, target: Any, shardings: Any) -> Flat:
-    """:func:`~conformance.checkpoints.restore`, with a refusal reported as a check failure."""
+def restore_checked(
+    family: Family, check: str, directory: Path, target: Any, shardings: Any
+) -> Flat:
+    """:func:`~conformance.checkpoints.restore`, with a refusal reported as a ``check`` failure."""
     try:
         return restore(directory, target, shardings)
     except CheckpointError as err:
-        fail(family, CHECK, str(err))
+        fail(family, check, str(err))
 
 
 def byte_differences(first: Flat, second: Flat) -> list[str]:
@@ -79,18 +79,19 @@ def check_checkpoint_roundtrip(
     It is restored onto the shardings ``restored_on`` asks for: the mesh it was saved
     on, or another one (a reshard).
     """
+    check = "checkpoint_roundtrip"
     config = family.config(info.size, scan_layers=info.scan_layers)
-    sides, _ = trained_sides(family, config, *saved_on)
+    sides, _ = trained_sides(family, check, config, *saved_on)
     state = flat_state(sides[info.backend].state)
     directory = Path(workdir) / "checkpoint"
     save(directory, state, info)
     trainer = _trainer(family, config, info.backend)
-    shardings = shardings_for(family, trainer.logical, *restored_on)
-    restored = restore_checked(family, directory, specs(state), shardings)
+    shardings = shardings_for(family, check, trainer.logical, *restored_on)
+    restored = restore_checked(family, check, directory, specs(state), shardings)
     where = f"{info.backend} saved on {saved_on[0].id}, restored on {restored_on[0].id}"
     differences = byte_differences(state, restored)
-    fail_if_any(family, CHECK, f"{where}: not byte-exact", differences)
-    fail_if_any(family, CHECK, f"{where}: shardings not as asked", misplaced(restored, shardings))
+    fail_if_any(family, check, f"{where}: not byte-exact", differences)
+    fail_if_any(family, check, f"{where}: shardings not as asked", misplaced(restored, shardings))
 
 
 def check_checkpoint_conversion(
@@ -107,22 +108,23 @@ def check_checkpoint_conversion(
     gives the same forward and the same next train step as the original; converting it
     back gives the original byte for byte.
     """
+    check = "checkpoint_conversion"
     target_backend = "nnx" if source.backend == "linen" else "linen"
     src_config = family.config(source.size, scan_layers=source.scan_layers)
     dst_config = family.config(source.size, scan_layers=scan_layers)
-    sides, batch = trained_sides(family, src_config, mesh, devices)
+    sides, batch = trained_sides(family, check, src_config, mesh, devices)
     original = sides[source.backend]
     state = flat_state(original.state)
     workdir = Path(workdir)
     save(workdir / "source", state, source)
-    loaded = restore_checked(family, workdir / "source", specs(state), None)
+    loaded = restore_checked(family, check, workdir / "source", specs(state), None)
     converted, info = convert(loaded, family, source, target_backend, scan_layers)
     save(workdir / "converted", converted, info)
 
     dst = _trainer(family, dst_config, target_backend)
-    by_path = shardings_for(family, dst.logical, mesh, devices)
+    by_path = shardings_for(family, check, dst.logical, mesh, devices)
     restored = restore_checked(
-        family, workdir / "converted", specs(flat_state(dst.abstract_state)), by_path
+        family, check, workdir / "converted", specs(flat_state(dst.abstract_state)), by_path
     )
     what = f"{source.backend}/{source.layout} -> {target_backend}/{info.layout} on {mesh.id}"
 
@@ -132,7 +134,7 @@ def check_checkpoint_conversion(
     after = dst.runner.forward(params, batch)[0]
     found = compare_trees({"logits": before}, {"logits": after})
     if found:
-        fail(family, CHECK, report(f"forward after {what}", found, ("original", "converted")))
+        fail(family, check, report(f"forward after {what}", found, ("original", "converted")))
 
     # The reference next step runs on the source backend in the target layout, so that
     # only the backend conversion is compared: scanned and unrolled layers round
@@ -140,7 +142,7 @@ def check_checkpoint_conversion(
     # into a full step. Layouts are compared by the forward above and the round trip.
     relaid, relaid_info = convert(loaded, family, source, source.backend, scan_layers)
     reference = _trainer(family, dst_config, source.backend)
-    ref_shardings = reference.tree(shardings_for(family, reference.logical, mesh, devices))
+    ref_shardings = reference.tree(shardings_for(family, check, reference.logical, mesh, devices))
     ref_state = jax.device_put(reference.tree(relaid), ref_shardings)
     next_ref, metrics_ref = reference.step_fn(ref_shardings)(ref_state, batch)
     shardings = dst.tree(by_path)
@@ -157,7 +159,7 @@ def check_checkpoint_conversion(
     )
     compare_steps(
         family,
-        CHECK,
+        check,
         f"next train step after {what}",
         (expected, metrics_ref["loss"], {p.removeprefix("model/"): v for p, v in grads.items()}),
         (flat_state(next_dst), metrics_dst["loss"], flat_state(metrics_dst["grads"])),
@@ -165,4 +167,4 @@ def check_checkpoint_conversion(
     )
     back, _ = convert(converted, family, info, source.backend, source.scan_layers)
     differences = byte_differences(state, back)
-    fail_if_any(family, CHECK, f"round trip {what} and back is not byte-exact", differences)
+    fail_if_any(family, check, f"round trip {what} and back is not byte-exact", differences)

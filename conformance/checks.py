@@ -219,10 +219,10 @@ def place_batch(family: Family, batch: Batch, mesh: MeshSpec, devices: Mesh) -> 
 
 
 def shardings_for(
-    family: Family, logical: Mapping[str, Logical], mesh: MeshSpec, devices: Mesh
+    family: Family, check: str, logical: Mapping[str, Logical], mesh: MeshSpec, devices: Mesh
 ) -> dict[str, NamedSharding]:
-    """``{path: NamedSharding}`` from the logical names of one side."""
-    specs = resolve_all(family, "sharding", logical, mesh)
+    """``{path: NamedSharding}`` from the logical names of one side (failures name ``check``)."""
+    specs = resolve_all(family, check, logical, mesh)
     return {path: NamedSharding(devices, spec) for path, spec in specs.items()}
 
 
@@ -234,8 +234,8 @@ def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> No
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, "init", config)
-    a = linen.init(0, shardings_for(family, linen.logical, mesh, devices))
-    b = nnx_.init(0, shardings_for(family, nnx_.logical, mesh, devices))
+    a = linen.init(0, shardings_for(family, "init", linen.logical, mesh, devices))
+    b = nnx_.init(0, shardings_for(family, "init", nnx_.logical, mesh, devices))
     problems = []
     for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
         x, y = np.asarray(a[src], np.float64), np.asarray(b[dst], np.float64)
@@ -301,8 +301,8 @@ def check_forward(
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, "forward", config)
     inverse = {v: k for k, v in mapping.items()}
-    linen_sh = shardings_for(family, linen.logical, mesh, devices)
-    nnx_sh = shardings_for(family, nnx_.logical, mesh, devices)
+    linen_sh = shardings_for(family, "forward", linen.logical, mesh, devices)
+    nnx_sh = shardings_for(family, "forward", nnx_.logical, mesh, devices)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     nnx_own = nnx_.init(1, nnx_sh)
     linen_own = linen.init(0, linen_sh)

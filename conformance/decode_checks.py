@@ -102,7 +102,7 @@ class Served:
     side: str
     generation: Generation
     forward_logits: np.ndarray
-    """``[rows, max_seq_len, vocab]`` from the plain forward on ``generation.sequence``."""
+    """``[rows, sequence length, vocab]``: the plain forward on ``generation.sequence``."""
 
 
 @scoped
@@ -112,8 +112,8 @@ def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tu
     linen_dec, nnx_dec = decoders(family, check, config)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
-    linen_params = linen.init(0, shardings_for(family, linen.logical, mesh, devices))
-    nnx_shardings = shardings_for(family, nnx_.logical, mesh, devices)
+    linen_params = linen.init(0, shardings_for(family, check, linen.logical, mesh, devices))
+    nnx_shardings = shardings_for(family, check, nnx_.logical, mesh, devices)
     nnx_params = transplant(linen_params, mapping, nnx_.specs, nnx_shardings)
     prompt, lengths = prompt_batch(family, config, BATCH_SIZE, DECODE_STEPS)
 
@@ -125,11 +125,11 @@ def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tu
         ("Linen", linen_dec, linen, linen_params),
         ("NNX", nnx_dec, nnx_, nnx_params),
     ):
-        cache_shardings = shardings_for(family, decoder.logical, mesh, devices)
+        cache_shardings = shardings_for(family, check, decoder.logical, mesh, devices)
         generation = generate(
             decoder, params, prompt, lengths, DECODE_STEPS, place, cache_shardings
         )
-        sequence = place(generation.sequence(config.max_seq_len))
+        sequence = place(generation.sequence(family.sequence_length(config)))
         forward_logits = np.asarray(runner.forward(params, sequence)[0])
         served.append(Served(side, generation, forward_logits))
     return tuple(served)

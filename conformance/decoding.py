@@ -176,14 +176,16 @@ def nnx_decoder(family: Family, config: Any, rows: int) -> NnxDecoder:
 def prompt_batch(family: Family, config: Any, rows: int, steps: int) -> tuple[Batch, np.ndarray]:
     """Right-padded prompts of different lengths, and each row's length.
 
-    Prompts are ``max_seq_len // 2`` slots wide; row ``i`` holds ``width - i`` real
-    tokens of the family's batch, so every row differs. Raises :class:`DecodeError`
-    unless every row has a token and room for ``steps`` more.
+    Prompts are half the family's :meth:`~Family.sequence_length` wide; row ``i`` holds
+    ``width - i`` real tokens of the family's batch, so every row differs (padding slots
+    hold token 0 with segment id 0). Raises :class:`DecodeError` unless every row has a
+    token and room for ``steps`` more.
     """
-    width = config.max_seq_len // 2
-    if rows > width or width + steps > config.max_seq_len:
+    length = family.sequence_length(config)
+    width = length // 2
+    if rows > width or width + steps > length:
         raise DecodeError(
-            f"{family.name}: max_seq_len {config.max_seq_len} leaves no room for {rows} "
+            f"{family.name}: sequence length {length} leaves no room for {rows} "
             f"prompts of different lengths followed by {steps} decode steps"
         )
     lengths = width - np.arange(rows, dtype=np.int32)

@@ -41,8 +41,11 @@ class FamilyError(LookupError):
 class Batch:
     """A deterministic batch: int32 arrays of shape ``[batch, seq]``.
 
-    ``segment_ids`` is 1 on real tokens and 0 on padding; ``targets`` are the next tokens.
-    A pytree, so it can be passed to jitted functions and placed with ``device_put``.
+    ``segment_ids`` is nonzero on real tokens and 0 on padding; ``targets`` are the next
+    tokens. The loss trains on the target at a position when that position and the next
+    are real (so never on the last column, nor past a row's end): no token value is
+    treated as padding. A pytree, so it can be passed to jitted functions and placed
+    with ``device_put``.
     """
 
     tokens: jax.Array
@@ -64,15 +67,26 @@ class QuantScope:
 
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
-    """What a family supports, so the suite skips with a reason instead of failing."""
+    """What a family supports; every test that needs what it lacks skips with a reason.
 
-    scan_layers: tuple[bool, ...] = (False, True)
+    The defaults describe a family with nothing optional: one unscanned layer layout,
+    no remat or dropout variant, no decode, no quantization.
+    """
+
+    scan_layers: tuple[bool, ...] = (False,)
     """Layer layouts supported (``True``: scanned), the family's preferred one first: the
-    ``smoke`` tier runs only that one."""
+    ``smoke`` tier runs only that one. Declaring both requires
+    :meth:`Family.layer_stack_rules`: the layout checks and cross-layout checkpoint
+    conversions stack one layout's layers into the other's."""
+    remat: bool = False
+    """:meth:`Family.variant` gives a rematerialised config (``layout[remat]``)."""
+    dropout: bool = False
+    """:meth:`Family.variant` gives a config with dropout (``dropout``)."""
     decode: bool = False
+    """Prefill and decode with a KV cache (the ``mode`` keyword; see :class:`Family`)."""
     moe: bool = False
     quantization: frozenset[str] = frozenset()
-    """Quantization modes (names in :data:`conformance.quant.MODES`) the family supports."""
+    """Qwix modes (names in :data:`conformance.quant.MODES`) the family supports."""
     aqt: bool = False
     """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
 
@@ -83,17 +97,26 @@ class Capabilities:
 
 
 class Family(abc.ABC):
-    """One model family, written for both backends.
+    """One model family, written for both backends: the whole contract with the harness.
 
-    Module conventions the suite relies on:
+    Required: :attr:`name`, :meth:`config`, :meth:`linen_module`, :meth:`nnx_module`,
+    :meth:`batch` and :meth:`logical_axis_rules`. Everything else has a default that
+    suits a family which ignores it, or is guarded by a :class:`Capabilities` field
+    whose tests skip, with the reason, when the family does not declare it.
 
-    * ``linen_module(config).apply({"params": p}, tokens, positions, segment_ids)`` and
-      ``nnx_module(config, rngs)(tokens, positions, segment_ids)`` return logits
-      ``[batch, seq, vocab]`` in the config's compute dtype.
-    * Both sides sow the stacked outputs of their decoder blocks, ``[layers, batch,
-      seq, d_model]``, as an intermediate named ``hidden_states`` on the top module
-      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``), so a forward
-      mismatch can be traced to the first block that diverges.
+    Configs must be hashable (a frozen dataclass is): the harness builds each side once
+    per config and reuses it. Modules are called as follows:
+
+    * ``linen_module(config).apply({"params": p}, tokens, positions, segment_ids,
+      **kwargs)`` and ``nnx_module(config, rngs)(tokens, positions, segment_ids,
+      **kwargs)`` return logits ``[batch, seq, vocab]`` in the config's compute dtype.
+      ``kwargs`` is empty in evaluation and :meth:`train_kwargs` in a training step,
+      where Linen also gets one key per stream in :attr:`train_rngs`.
+    * Optionally, both sides sow the stacked outputs of their decoder blocks, ``[layers,
+      batch, seq, d_model]``, as an intermediate named ``hidden_states`` on the top module
+      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``): a forward mismatch is
+      then reported per block. Without it, the harness captures every submodule's output
+      itself and names the first that diverges.
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
       NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
     * With ``Capabilities(decode=True)``, both sides also take a call-time keyword
@@ -109,7 +132,9 @@ class Family(abc.ABC):
     """Registry name, lower case, used in test ids."""
 
     sizes: tuple[str, ...] = ("tiny",)
-    """Config sizes; ``"tiny"`` is run on devices, the others only abstractly."""
+    """Config sizes. The first is run on devices by every numeric check; the others (for
+    example production sizes) are only evaluated abstractly: structure and sharding
+    goldens, without allocating parameters."""
 
     capabilities: Capabilities = Capabilities()
 
@@ -127,9 +152,25 @@ class Family(abc.ABC):
     batch_axis: str = "batch"
     """Logical name of a batch's leading axis; batches are placed by resolving it."""
 
+    train_rngs: tuple[str, ...] = ()
+    """Linen RNG streams a training forward draws (``("dropout",)``); none by default.
+    Each step passes one key per stream, derived from the step counter."""
+
+    layer_stack_axis: int = 0
+    """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
+
+    @property
+    def device_size(self) -> str:
+        """The size every numeric check runs on devices: the first of :attr:`sizes`."""
+        return self.sizes[0]
+
     @abc.abstractmethod
     def config(self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32) -> Any:
-        """Return the config of ``size`` with the given layer layout and compute dtype."""
+        """Return the config of ``size`` with the given layer layout and compute dtype.
+
+        ``scan_layers`` is one of :attr:`Capabilities.scan_layers`; the config must train
+        deterministically (no dropout: :meth:`variant` turns it on).
+        """
 
     @abc.abstractmethod
     def linen_module(self, config: Any) -> nn.Module:
@@ -143,6 +184,10 @@ class Family(abc.ABC):
     def batch(self, config: Any, batch_size: int, seed: int = 0) -> Batch:
         """Return a deterministic batch for ``config`` (same seed, same batch)."""
 
+    @abc.abstractmethod
+    def logical_axis_rules(self) -> LogicalRules:
+        """Return the logical-axis rules both backends are sharded with."""
+
     def unavailable(self) -> str | None:
         """Why the family cannot run in this environment (one line), or ``None`` if it can.
 
@@ -150,6 +195,35 @@ class Family(abc.ABC):
         suite then skips every test on the family with this reason.
         """
         return None
+
+    def sequence_length(self, config: Any) -> int:
+        """The longest sequence ``config`` runs (decode fits prompts and steps in it).
+
+        By default the length of the family's own batch.
+        """
+        return int(self.batch(config, 1).tokens.shape[1])
+
+    def train_kwargs(self, config: Any) -> Mapping[str, Any]:
+        """Keyword arguments both modules take in a training forward; none by default.
+
+        The built-in families return ``{"deterministic": False}``, so that dropout (when
+        a :meth:`variant` turns it on) applies in training only.
+        """
+        del config
+        return {}
+
+    def variant(self, config: Any, *, remat: bool = False, dropout: float = 0.0) -> Any:
+        """``config`` rematerialised (``remat``) or with dropout at rate ``dropout``.
+
+        Neither may change what one step computes from the same parameters and keys;
+        ``layout[remat]`` and ``dropout`` check that. Required with
+        ``Capabilities(remat=True)`` or ``Capabilities(dropout=True)``; by default the
+        family has no variant.
+        """
+        wanted = [w for w, on in (("remat", remat), (f"dropout {dropout}", dropout)) if on]
+        if wanted:
+            raise FamilyError(f"{self.name} has no {' or '.join(wanted)} variant")
+        return config
 
     def path_rules(self, config: Any) -> PathRules:
         """Rewrites from Linen parameter paths to NNX ones; identity by default."""
@@ -161,14 +235,11 @@ class Family(abc.ABC):
 
         Each pattern captures the layer index in a group named ``layer``, e.g.
         ``(r"^layers_(?P<layer>\d+)/", "layers/")``; leaves of all layers are stacked on
-        a new axis (:attr:`layer_stack_axis`) in index order. Empty (the default) if the
-        family has no scanned layout, and checks that compare layouts skip.
+        a new axis (:attr:`layer_stack_axis`) in index order. Required when
+        :attr:`Capabilities.scan_layers` declares both layouts; empty by default.
         """
         del config
         return ()
-
-    layer_stack_axis: int = 0
-    """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
 
     def quantization_scope(self, config: Any) -> QuantScope:
         """What quantization targets; by default every ``jax.lax.dot_general``."""
@@ -186,10 +257,6 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
-
-    @abc.abstractmethod
-    def logical_axis_rules(self) -> LogicalRules:
-        """Return the logical-axis rules both backends are sharded with."""
 
     def __repr__(self) -> str:
         return f"<Family {self.name}>"

@@ -113,8 +113,8 @@ def selects_suite(config: pytest.Config) -> bool:
     """Whether this run is a conformance run: the plugin acts only then.
 
     It is when a ``--conformance-*`` option is given, when an argument (a path, or a
-    module with ``--pyargs``) lies inside ``conformance.suite``, or when an argument is
-    a source checkout's directory holding the suite (as ``pytest`` in this repository).
+    module with ``--pyargs``) lies inside ``conformance.suite``, or when the run is in a
+    source checkout of this project (its rootdir holds the suite, not installed).
     Any other pytest run in an environment with this package installed is left alone:
     no XLA flags, no devices, no parametrization, no report.
     """
@@ -124,13 +124,13 @@ def selects_suite(config: pytest.Config) -> bool:
         return True
     suite = Path(conformance.suite.__file__).parent
     installed = "site-packages" in suite.parts
+    if not installed and config.rootpath in suite.parents:
+        return True
     for arg in config.args:
         path = _arg_path(config, arg.split("::")[0])
         if path is None:
             continue
         if path == suite or suite in path.parents:
-            return True
-        if path in suite.parents and not installed:
             return True
     return False
 
@@ -268,7 +268,7 @@ def _axis_values(name: str, family: registry.Family, config: pytest.Config) -> l
         case "size":
             return [(s, s) for s in family.sizes]
         case "full_size":
-            return [(s, s) for s in family.sizes if s != "tiny"]
+            return [(s, s) for s in family.sizes[1:]]
         case "mesh" | "topology":
             return [(m.id, m) for m in meshes[name]]
         case "scan_layers":
@@ -290,39 +290,60 @@ def _quant_values(family: registry.Family, methods: set[str]) -> list[Any]:
 def _marks(
     family: registry.Family,
     case: dict[str, Any],
-    needs: list[str],
     methods: set[str],
     known: list[Callable[..., str | None]],
 ) -> list[pytest.MarkDecorator]:
-    skips = _skips(family, case, needs, methods)
+    skips = _skips(family, case, methods)
     if skips:
         return skips
     reasons = [r for reason_of in known if (r := reason_of(**case))]
     return [pytest.mark.xfail(reason=r, raises=CheckFailure, strict=True) for r in reasons]
 
 
+def _layout_missing(family: registry.Family, scan: bool) -> str | None:
+    if scan in family.capabilities.scan_layers:
+        return None
+    layout = "scan_layers" if scan else "a layer list"
+    return f"{family.name} does not support {layout} (Capabilities.scan_layers)"
+
+
 def _skips(
-    family: registry.Family, case: dict[str, Any], needs: list[str], methods: set[str]
+    family: registry.Family, case: dict[str, Any], methods: set[str]
 ) -> list[pytest.MarkDecorator]:
     if (reason := family.unavailable()) is not None:
         return [pytest.mark.skip(reason=f"{family.name}: {reason}")]
     scan = case.get("scan_layers")
-    if scan is not None and scan not in family.capabilities.scan_layers:
-        layout = "scan_layers" if scan else "a layer list"
-        return [pytest.mark.skip(reason=f"{family.name} does not support {layout}")]
+    if scan is not None and (reason := _layout_missing(family, scan)):
+        return [pytest.mark.skip(reason=reason)]
     if "quant" in case and case["quant"] is None:
         wanted = "/".join(sorted(methods)) + " " if methods else ""
         declared = ", ".join(sorted(family.capabilities.quantization))
         reason = f"{family.name} declares no {wanted}quantization mode"
         reason += f" (it declares {declared})" if declared else ""
         return [pytest.mark.skip(reason=reason)]
-    missing = [name for name in needs if not getattr(family.capabilities, name)]
-    if missing:
-        declared = ", ".join(f"{name}=True" for name in missing)
-        why = "; ".join(family.unsupported[name] for name in missing if name in family.unsupported)
-        reason = f"{family.name} does not declare Capabilities({declared})"
-        return [pytest.mark.skip(reason=f"{reason}: {why}" if why else reason)]
     return []
+
+
+def capability_skip(family: registry.Family, item: pytest.Item) -> str | None:
+    """Why ``family`` cannot run ``item``: a ``capability`` or ``layouts`` it lacks.
+
+    The markers may sit on the test, its module or one of its parameters.
+    """
+    for mark in item.iter_markers("layouts"):
+        for scan in mark.args:
+            if (reason := _layout_missing(family, scan)) is not None:
+                return reason
+    missing = [
+        m.args[0]
+        for m in item.iter_markers("capability")
+        if not getattr(family.capabilities, m.args[0])
+    ]
+    if not missing:
+        return None
+    declared = ", ".join(f"{name}=True" for name in missing)
+    why = "; ".join(family.unsupported[name] for name in missing if name in family.unsupported)
+    reason = f"{family.name} does not declare Capabilities({declared})"
+    return f"{reason}: {why}" if why else reason
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -330,7 +351,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "family" not in metafunc.fixturenames or not active(metafunc.config):
         return
     argnames = [a for a in AXES if a in metafunc.fixturenames]
-    needs = [m.args[0] for m in metafunc.definition.iter_markers("capability")]
     methods = {m.args[0] for m in metafunc.definition.iter_markers("quant_method")}
     known = [m.args[0] for m in metafunc.definition.iter_markers("known_failure")]
     params = []
@@ -341,7 +361,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for combo in itertools.product(*axes):
             case = {name: value for name, (_, value) in zip(argnames, combo, strict=True)}
             case_id = "-".join(i for i, _ in combo)
-            marks = _marks(family, case, needs, methods, known)
+            marks = _marks(family, case, methods, known)
             params.append(pytest.param(*case.values(), id=case_id, marks=marks))
     metafunc.parametrize(argnames, params)
 
@@ -387,7 +407,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         item.user_properties.append(("conformance", (family.name, check_name(item))))
-        if (reason := known_divergence(family, item)) is not None:
+        skipped = item.get_closest_marker("skip") is not None
+        if not skipped and (reason := capability_skip(family, item)) is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        elif (reason := known_divergence(family, item)) is not None:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
         (left_out if tier_leaves_out(tier, family, item) else kept).append(item)
     if left_out:

@@ -117,8 +117,9 @@ def float_params(
     """Linen's float parameters from its sharded init, and the same values on NNX's paths."""
     linen_float, nnx_float = linen_runner(family, config), nnx_runner(family, config)
     float_map = param_map(family, check, config)
-    linen_params = linen_float.init(0, shardings_for(family, linen_float.logical, mesh, devices))
-    nnx_shardings = shardings_for(family, nnx_float.logical, mesh, devices)
+    linen_sh = shardings_for(family, check, linen_float.logical, mesh, devices)
+    linen_params = linen_float.init(0, linen_sh)
+    nnx_shardings = shardings_for(family, check, nnx_float.logical, mesh, devices)
     return linen_params, transplant(linen_params, float_map, nnx_float.specs, nnx_shardings)
 
 
@@ -219,11 +220,19 @@ def check_quant_hygiene(family: Family, config: Any, mesh: MeshSpec, quant: str)
 
 
 def check_quant_checkpoint(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, quant: str, workdir: Path
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    quant: str,
+    workdir: Path,
+    *,
+    scan_layers: bool,
 ) -> None:
     """Quantized parameters survive an orbax save and a strict restore, on each backend.
 
-    Each side saves the quantized parameters of its own sharded init.
+    Each side saves the quantized parameters of its own sharded init (``config``, whose
+    layer layout is ``scan_layers``).
 
     Every leaf (``qvalue`` bytes, scales, float leaves) must come back byte-exact with
     its dtype, and the restored model's forward must equal the saved model's exactly.
@@ -232,8 +241,10 @@ def check_quant_checkpoint(
     linen, nnx_, _ = quantized_runners(family, check, config, quant)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, runner in (("Linen", linen), ("NNX", nnx_)):
-        params = runner.init(0, shardings_for(family, runner.logical, mesh, devices))
-        info = checkpoints.CheckpointInfo(family.name, "tiny", side.lower(), config.scan_layers)
+        params = runner.init(0, shardings_for(family, check, runner.logical, mesh, devices))
+        info = checkpoints.CheckpointInfo(
+            family.name, family.device_size, side.lower(), scan_layers
+        )
         directory = workdir / f"{side.lower()}-{quant}"
         checkpoints.save(directory, params, info)
         shardings = {path: value.sharding for path, value in params.items()}

@@ -49,6 +49,14 @@ class Scope:
     def get[R](self, factory: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         """``factory(*args, **kwargs)``, built once in this scope for equal arguments."""
         key = (factory, args, tuple(sorted(kwargs.items())))
+        try:
+            hash(key)
+        except TypeError as err:
+            raise TypeError(
+                f"{factory.__name__} is built once per argument set, so its arguments must be "
+                f"hashable ({err}): a Family and its configs must be hashable, e.g. a frozen "
+                "dataclass"
+            ) from None
         if key not in self._memo:
             self._memo[key] = factory(*args, **kwargs)
         return self._memo[key]

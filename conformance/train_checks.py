@@ -67,9 +67,14 @@ class Side:
 
 
 def _side(
-    family: Family, trainer: LinenTrainer | NnxTrainer, params: Flat, mesh: MeshSpec, devices: Mesh
+    family: Family,
+    check: str,
+    trainer: LinenTrainer | NnxTrainer,
+    params: Flat,
+    mesh: MeshSpec,
+    devices: Mesh,
 ) -> Side:
-    by_path = shardings_for(family, trainer.logical, mesh, devices)
+    by_path = shardings_for(family, check, trainer.logical, mesh, devices)
     shardings = trainer.tree(by_path)
     state = jax.device_put(trainer.initial_state(params), shardings)
     return Side(trainer, state, shardings, trainer.step_fn(shardings))
@@ -82,22 +87,26 @@ def linen_and_nnx(
     devices: Mesh,
     micro_batches: int = 1,
     quant: str | None = None,
+    *,
+    check: str,
 ) -> tuple[Side, Side, dict[str, str]]:
     """Both sides' placed initial train states, NNX holding Linen's parameters.
 
-    With ``quant`` (a QAT mode), both models are quantized. Returns ``(linen, nnx,
-    {Linen state path: NNX state path})``.
+    With ``quant`` (a QAT mode), both models are quantized. A failure while setting up
+    is reported under ``check``. Returns ``(linen, nnx, {Linen state path: NNX state
+    path})``.
     """
     lt, nt = (
         linen_trainer(family, config, micro_batches, quant),
         nnx_trainer(family, config, micro_batches, quant),
     )
-    mapping = param_map(family, "train_step", config)
-    linen_params = lt.runner.init(0, shardings_for(family, lt.runner.logical, mesh, devices))
-    nnx_shardings = shardings_for(family, nt.runner.logical, mesh, devices)
+    mapping = param_map(family, check, config)
+    linen_sh = shardings_for(family, check, lt.runner.logical, mesh, devices)
+    linen_params = lt.runner.init(0, linen_sh)
+    nnx_shardings = shardings_for(family, check, nt.runner.logical, mesh, devices)
     nnx_params = transplant(linen_params, mapping, nt.runner.specs, nnx_shardings)
-    linen = _side(family, lt, linen_params, mesh, devices)
-    nnx_side = _side(family, nt, nnx_params, mesh, devices)
+    linen = _side(family, check, lt, linen_params, mesh, devices)
+    nnx_side = _side(family, check, nt, nnx_params, mesh, devices)
     return linen, nnx_side, map_state_paths(mapping, flatten(linen.state))
 
 
@@ -143,7 +152,9 @@ def check_train_step(
     ``check``: by default ``train_step``, or ``qat_train_step`` with ``quant``.
     """
     check = check or ("train_step" if quant is None else "qat_train_step")
-    linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices, quant=quant)
+    linen, nnx_side, mapping = linen_and_nnx(
+        family, config, mesh, devices, quant=quant, check=check
+    )
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     mode = "" if quant is None else f" ({quant})"
     for step in range(1, STEPS + 1):
@@ -162,8 +173,11 @@ def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices
     Holds on each backend, and across backends for the accumulated step.
     """
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    whole = _advance(*linen_and_nnx(family, config, mesh, devices), batch)
-    parts = _advance(*linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES), batch)
+    check = "grad_accumulation"
+    whole = _advance(*linen_and_nnx(family, config, mesh, devices, check=check), batch)
+    parts = _advance(
+        *linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES, check=check), batch
+    )
     what = f"one step on mesh {mesh.id}"
     names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
     for i, side in enumerate(("Linen", "NNX")):
@@ -202,9 +216,10 @@ def _to_variant(family: Family, config: Any, changed: Any, side: str, variant: s
     """Convert one backend's plain-layout parameter paths/values to the variant's layout."""
     if variant != "scan_layers":
         return dict
-    table = layer_table(
-        family.layer_stack_rules(config), linen_trainer(family, config).runner.specs
-    )
+    rules = family.layer_stack_rules(config)
+    if not rules:
+        fail(family, "layout", "declares both layer layouts but no layer_stack_rules to stack them")
+    table = layer_table(rules, linen_trainer(family, config).runner.specs)
     if side == "Linen":
         return lambda flat: restack(flat, table, True, family.layer_stack_axis)
     to_linen = {v: k for k, v in param_map(family, "layout", config).items()}
@@ -214,19 +229,28 @@ def _to_variant(family: Family, config: Any, changed: Any, side: str, variant: s
     )
 
 
+LAYOUT_VARIANTS = ("remat", "scan_layers")
+"""Variants :func:`check_layout_invariance` compares with the plain layout."""
+
+
 def check_layout_invariance(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, variant: str
+    family: Family, size: str, mesh: MeshSpec, devices: Mesh, variant: str
 ) -> None:
     """A variant that must not change numerics does not: ``remat`` or ``scan_layers``.
 
-    ``config`` is the plain layout (no scan, no remat). On each backend, one step of the
-    plain and of the varied config from the same parameters give the same loss,
+    The plain config is ``size`` with a list of layers; the varied one is
+    :meth:`~conformance.families.Family.variant` with ``remat``, or the scanned config.
+    On each backend, one step of each from the same parameters gives the same loss,
     gradients and next parameters; for ``scan_layers`` the plain layout's layers are
     stacked with the family's :meth:`~conformance.families.Family.layer_stack_rules`.
     """
-    if variant == "scan_layers" and not family.layer_stack_rules(config):
-        fail(family, "layout", "the family declares no layer_stack_rules to compare layouts")
-    changed = dataclasses.replace(config, **{variant: True})
+    if variant not in LAYOUT_VARIANTS:
+        raise ValueError(f"unknown layout variant {variant!r}; use one of {LAYOUT_VARIANTS}")
+    config = family.config(size, scan_layers=False)
+    if variant == "remat":
+        changed = family.variant(config, remat=True)
+    else:
+        changed = family.config(size, scan_layers=True)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, trainer_of in (("Linen", linen_trainer), ("NNX", nnx_trainer)):
         convert = _to_variant(family, config, changed, side, variant)
@@ -234,14 +258,14 @@ def check_layout_invariance(
         params = None
         for cfg in (config, changed):
             trainer = trainer_of(family, cfg)
-            param_sh = shardings_for(family, trainer.runner.logical, mesh, devices)
+            param_sh = shardings_for(family, "layout", trainer.runner.logical, mesh, devices)
             own = trainer.runner.init(0, param_sh)
             params = (
                 own
                 if params is None
                 else transplant(convert(params), {}, trainer.runner.specs, param_sh)
             )
-            placed = _side(family, trainer, params, mesh, devices)
+            placed = _side(family, "layout", trainer, params, mesh, devices)
             state, metrics = placed.step(placed.state, batch)
             results.append(
                 (_params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
@@ -276,7 +300,7 @@ def check_hygiene(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
     and its sharding tree have equal leaf counts; and the step leaks no tracer
     (``jax.checking_leaks``).
     """
-    linen, nnx_side, _ = linen_and_nnx(family, config, mesh, devices)
+    linen, nnx_side, _ = linen_and_nnx(family, config, mesh, devices, check="hygiene")
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, placed in (("Linen", linen), ("NNX", nnx_side)):
         trainer = placed.trainer
@@ -350,20 +374,25 @@ def check_optimizer_sharding(family: Family, config: Any, mesh: MeshSpec) -> dic
     }
 
 
+DROPOUT_RATE = 0.1
+"""Dropout rate :func:`check_dropout` asks the family's :meth:`~Family.variant` for."""
+
+
 def check_dropout(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
     """With dropout on, each backend trains deterministically for a fixed seed.
 
-    Two runs of two steps from the same seed give identical losses, and dropout is
-    really applied: the first training loss differs from the deterministic forward's.
+    The config is :meth:`~conformance.families.Family.variant` with dropout at
+    :data:`DROPOUT_RATE`. Two runs of two steps from the same parameters give identical
+    losses, and dropout is really applied: the first training loss differs from the
+    deterministic forward's.
     """
-    rate = 0.1
-    noisy = dataclasses.replace(config, dropout_rate=rate)
+    noisy = family.variant(config, dropout=DROPOUT_RATE)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, trainer in (
         ("Linen", linen_trainer(family, noisy)),
         ("NNX", nnx_trainer(family, noisy)),
     ):
-        param_sh = shardings_for(family, trainer.runner.logical, mesh, devices)
+        param_sh = shardings_for(family, "dropout", trainer.runner.logical, mesh, devices)
         params = trainer.runner.init(0, param_sh)
         loss_sum, count = masked_token_loss(trainer.runner.forward(params, batch)[0], batch)
         runs = [_dropout_losses(family, trainer, params, batch, mesh, devices) for _ in range(2)]
@@ -377,7 +406,7 @@ def check_dropout(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
             fail(
                 family,
                 "dropout",
-                f"{side} training loss with dropout {rate} equals the "
+                f"{side} training loss with dropout {DROPOUT_RATE} equals the "
                 f"deterministic loss ({runs[0][0]!r}): dropout is not applied",
             )
 
@@ -390,13 +419,9 @@ def _dropout_losses(
     mesh: MeshSpec,
     devices: Mesh,
 ) -> list[float]:
-    placed = _side(family, trainer, params, mesh, devices)
+    placed = _side(family, "dropout", trainer, params, mesh, devices)
     state, losses = placed.state, []
     for _ in range(2):
-        if isinstance(trainer, LinenTrainer):
-            step = trainer.step_fn(placed.shardings, dropout=True)
-            state, metrics = step(state, batch, jax.random.key(0))
-        else:
-            state, metrics = placed.step(state, batch)
+        state, metrics = placed.step(state, batch)
         losses.append(float(metrics["loss"]))
     return losses

@@ -5,17 +5,18 @@ Both sides keep a persistent train state with the same canonical paths:
 ``optimizer/step``. A step maps ``(state, batch)`` to ``(next state, metrics)`` with
 metrics ``loss`` and per-leaf ``grads``, jitted with explicit in and out shardings.
 
-The loss is next-token cross entropy over real targets (padding and the 0 that ends
-each row are masked out), optimised with AdamW under a warmup-cosine schedule after
-global-norm clipping. With ``micro_batches > 1`` the batch is split along its first axis,
-and summed losses, token counts and gradients are accumulated before one update, so
-the result equals a step on the whole batch.
+The loss is next-token cross entropy over real targets (a position and the next both
+real, by segment id; no token value is taken for padding), optimised with AdamW under a
+warmup-cosine schedule after global-norm clipping. With ``micro_batches > 1`` the batch
+is split along its first axis, and summed losses, token counts and gradients are
+accumulated before one update, so the result equals a step on the whole batch.
 
 NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
 variables; Linen takes them per call. The NNX train state leaves them out, so both train
 states hold the same leaves: each step draws fresh streams from its step counter, as the
-Linen step folds the step into its dropout key, and a checkpoint holds no RNG streams on
-either side. :func:`conformance.checks.check_structure` lists the streams it set aside.
+Linen step folds the step into a key per stream of ``Family.train_rngs``, and a
+checkpoint holds no RNG streams on either side. :func:`conformance.checks.check_structure`
+lists the streams it set aside.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from conformance.scope import scoped
 from conformance.sharding import Logical, nnx_logical
 from conformance.trees import Flat, flatten, flatten_state, join_path, mirrored_param, unflatten
 
+STREAMS_SEED = 0
+"""Seed of the RNG streams a train step draws (folded with the step counter)."""
+
 LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]
 GradFn = Callable[[Batch], tuple[tuple[jax.Array, jax.Array], Any]]
 
@@ -49,8 +53,13 @@ def make_optimizer() -> optax.GradientTransformation:
 
 
 def masked_token_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross entropy over real targets, and how many targets were real."""
-    weights = ((batch.segment_ids != 0) & (batch.targets != 0)).astype(jnp.float32)
+    """Summed next-token cross entropy over real targets, and how many targets were real.
+
+    A target is real where its position and the next are real tokens (segment id not 0).
+    """
+    real = batch.segment_ids != 0
+    follows = jnp.zeros_like(real).at[:, :-1].set(real[:, 1:])
+    weights = (real & follows).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch.targets
     )
@@ -87,13 +96,13 @@ def accumulate(
     return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
 
 
-def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any, extra: int) -> Any:
-    """Jit ``step(state, batch, *extra, micro_sharding=...)`` once per state sharding."""
+def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any) -> Any:
+    """Jit ``step(state, batch, micro_sharding=...)`` once per state sharding."""
     leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
     if leaves not in cache:
         in_sh = out_sh = micro = None
         if leaves is not None:
-            in_sh, out_sh = (shardings, None, *([None] * extra)), (shardings, None)
+            in_sh, out_sh = (shardings, None), (shardings, None)
             micro = replicated(leaves[0].mesh)
         bound = functools.partial(step, micro_sharding=micro)
         cache[leaves] = jax.jit(bound, in_shardings=in_sh, out_shardings=out_sh)
@@ -110,6 +119,8 @@ class LinenTrainer:
         self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
     ) -> None:
         self.runner = linen_runner(family, config, quant)
+        self.train_kwargs = dict(family.train_kwargs(config))
+        self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
@@ -137,14 +148,11 @@ class LinenTrainer:
         )
 
     def _step(
-        self,
-        state: dict[str, Any],
-        batch: Batch,
-        rng: jax.Array | None = None,
-        micro_sharding: NamedSharding | None = None,
+        self, state: dict[str, Any], batch: Batch, micro_sharding: NamedSharding | None = None
     ) -> Any:
         module, opt = self.runner.module, state["optimizer"]
-        rngs = None if rng is None else {"dropout": jax.random.fold_in(rng, opt["step"])}
+        base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
+        rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
         def loss_fn(params: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
             logits = module.apply(
@@ -152,8 +160,8 @@ class LinenTrainer:
                 micro.tokens,
                 micro.positions,
                 micro.segment_ids,
-                deterministic=rng is None,
                 rngs=rngs,
+                **self.train_kwargs,
             )
             return self.loss(logits, micro)
 
@@ -169,14 +177,9 @@ class LinenTrainer:
         }
         return new_state, {"loss": loss_sum / count, "grads": grads}
 
-    def step_fn(self, shardings: Any = None, dropout: bool = False) -> Any:
-        """The jitted ``(state, batch[, rng]) -> (state, metrics)``, cached per sharding."""
-        step = self._step if dropout else (lambda s, b, **kw: self._step(s, b, **kw))
-        return _step_fns(self._steps.setdefault(dropout, {}), step, shardings, int(dropout))
-
-
-STREAMS_SEED = 0
-"""Seed of the RNG streams an NNX train step draws (folded with the step counter)."""
+    def step_fn(self, shardings: Any = None) -> Any:
+        """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
+        return _step_fns(self._steps, self._step, shardings)
 
 
 def step_streams(abstract: nnx.State, step: jax.Array) -> nnx.State:
@@ -205,10 +208,12 @@ class NnxTrainState(nnx.Module):
         self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def nnx_training_forward(model: nnx.Module, batch: Batch) -> jax.Array:
+def nnx_training_forward(
+    model: nnx.Module, batch: Batch, train_kwargs: Mapping[str, Any]
+) -> jax.Array:
     """Training-mode logits; sown intermediates are captured and dropped, never stored."""
     logits, _ = nnx.capture(model, nnx.Intermediate)(
-        batch.tokens, batch.positions, batch.segment_ids, deterministic=False
+        batch.tokens, batch.positions, batch.segment_ids, **train_kwargs
     )
     return logits
 
@@ -224,6 +229,7 @@ class NnxTrainer:
         self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
     ) -> None:
         self.runner = nnx_runner(family, config, quant)
+        self.train_kwargs = dict(family.train_kwargs(config))
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
@@ -258,7 +264,7 @@ class NnxTrainer:
         train = nnx.merge(self.graphdef, streams, state)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
-            return self.loss(self.forward(model, micro), micro)
+            return self.loss(self.forward(model, micro, self.train_kwargs), micro)
 
         grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
         (loss_sum, count), grads = self.accumulate(
@@ -270,7 +276,7 @@ class NnxTrainer:
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
-        return _step_fns(self._steps, self._step, shardings, 0)
+        return _step_fns(self._steps, self._step, shardings)
 
 
 def flat_state(state: Any) -> Flat:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from flax import linen as nn
@@ -25,10 +25,13 @@ class TransformerFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(False, True),
+        remat=True,
+        dropout=True,
         decode=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         aqt=True,
     )
+    train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]
@@ -41,6 +44,21 @@ class TransformerFamily(Family):
         if size not in self.base_configs:
             raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
         return dataclasses.replace(self.base_configs[size], scan_layers=scan_layers, dtype=dtype)
+
+    def train_kwargs(self, config: TransformerConfig) -> Mapping[str, Any]:
+        """Train with dropout enabled (applied only when the config's rate is nonzero)."""
+        del config
+        return {"deterministic": False}
+
+    def variant(
+        self, config: TransformerConfig, *, remat: bool = False, dropout: float = 0.0
+    ) -> TransformerConfig:
+        """``config`` with ``nn.remat``/``nnx.remat`` around each block, or with dropout."""
+        return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
+
+    def sequence_length(self, config: TransformerConfig) -> int:
+        """``config.max_seq_len``."""
+        return config.max_seq_len
 
     def aqt_config(self, config: TransformerConfig, mode: str) -> TransformerConfig:
         """``config`` with every projection running through AQT int8 in ``mode``."""

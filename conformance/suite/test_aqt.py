@@ -15,28 +15,28 @@ pytestmark = pytest.mark.capability("aqt")
 
 
 def test_aqt_forward(family, mesh, scan_layers, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     check_aqt_forward(family, config, mesh, device_mesh)
 
 
 def test_aqt_train_step(family, mesh, scan_layers, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     check_aqt_train_step(family, config, mesh, device_mesh)
 
 
 @pytest.mark.golden
 @pytest.mark.known_failure(lambda scan_layers, **_: known_failure("aqt_layout", scan_layers))
 def test_aqt_layout(family, mesh, scan_layers, golden):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     golden.check(check_aqt_layout(family, config, mesh))
 
 
 def test_aqt_convert(family, mesh, scan_layers, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     check_aqt_convert(family, config, mesh, device_mesh)
 
 
 def test_aqt_serve(family, scan_layers, primary_mesh, tmp_path):
     mesh, devices = primary_mesh
-    config = family.config("tiny", scan_layers=scan_layers)
-    check_aqt_serve(family, config, mesh, devices, tmp_path)
+    config = family.config(family.device_size, scan_layers=scan_layers)
+    check_aqt_serve(family, config, mesh, devices, tmp_path, scan_layers=scan_layers)

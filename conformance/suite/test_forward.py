@@ -6,6 +6,8 @@ from conformance.checks import check_forward
 
 
 def test_forward(family, mesh, scan_layers, dtype, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers, dtype=dtype)
-    wider = None if dtype == jnp.float32 else family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers, dtype=dtype)
+    wider = (
+        None if dtype == jnp.float32 else family.config(family.device_size, scan_layers=scan_layers)
+    )
     check_forward(family, config, mesh, device_mesh, reference_config=wider)

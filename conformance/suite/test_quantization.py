@@ -14,29 +14,31 @@ from conformance.train_checks import check_train_step
 
 @pytest.mark.golden
 def test_quant_params(family, mesh, scan_layers, quant, golden):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     golden.check(check_quant_params(family, config, mesh, quant))
 
 
 @pytest.mark.known_failure(lambda quant, scan_layers, **_: known_failure(quant, scan_layers))
 def test_quant_forward(family, mesh, scan_layers, quant, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     check_quant_forward(family, config, mesh, device_mesh, quant)
 
 
 def test_quant_hygiene(family, scan_layers, quant, primary_mesh):
     mesh, _ = primary_mesh
-    check_quant_hygiene(family, family.config("tiny", scan_layers=scan_layers), mesh, quant)
+    check_quant_hygiene(
+        family, family.config(family.device_size, scan_layers=scan_layers), mesh, quant
+    )
 
 
 @pytest.mark.quant_method("qat")
 def test_qat_train_step(family, mesh, scan_layers, quant, device_mesh):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     check_train_step(family, config, mesh, device_mesh, quant)
 
 
 @pytest.mark.quant_method("ptq")
 def test_quant_checkpoint(family, scan_layers, quant, primary_mesh, tmp_path):
     mesh, devices = primary_mesh
-    config = family.config("tiny", scan_layers=scan_layers)
-    check_quant_checkpoint(family, config, mesh, devices, quant, tmp_path)
+    config = family.config(family.device_size, scan_layers=scan_layers)
+    check_quant_checkpoint(family, config, mesh, devices, quant, tmp_path, scan_layers=scan_layers)

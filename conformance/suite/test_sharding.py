@@ -1,6 +1,6 @@
 """Sharding: the same PartitionSpec per leaf on both sides, even splits, goldens per mesh.
 
-``test_sharding`` runs the tiny config on device meshes and also checks where arrays are
+``test_sharding`` runs the device-size config on device meshes and also checks where arrays are
 placed; ``test_sharding_topology`` evaluates full-size configs on abstract production
 meshes, without devices or parameter memory.
 """
@@ -12,7 +12,7 @@ from conformance.checks import check_sharding
 
 @pytest.mark.golden
 def test_sharding(family, mesh, scan_layers, device_mesh, golden):
-    config = family.config("tiny", scan_layers=scan_layers)
+    config = family.config(family.device_size, scan_layers=scan_layers)
     golden.check(check_sharding(family, config, mesh, device_mesh))
 
 

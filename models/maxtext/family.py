@@ -49,8 +49,11 @@ class MaxTextFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
+        remat=True,
+        dropout=True,
         quantization=frozenset({"qat_int8"}),
     )
+    train_rngs = ("dropout",)
 
     unsupported = MappingProxyType(
         {
@@ -102,6 +105,17 @@ class MaxTextFamily(Family):
         vocab = hyperparameters(config, "linen").vocab_size
         return make_batch(vocab, SEQ_LEN, batch_size, seed)
 
+    def train_kwargs(self, config: MaxTextConfig) -> Mapping[str, Any]:
+        """Train with dropout enabled (applied only when the config's rate is nonzero)."""
+        del config
+        return {"deterministic": False}
+
+    def variant(
+        self, config: MaxTextConfig, *, remat: bool = False, dropout: float = 0.0
+    ) -> MaxTextConfig:
+        """``remat``: MaxText's ``remat_policy`` ``full`` instead of ``minimal``."""
+        return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
+
     def layer_stack_rules(self, config: MaxTextConfig) -> PathRules:
         r"""MaxText stacks ``decoder/<stack>_<i>/`` into ``decoder/<stack>/`` on axis 1.
 
@@ -117,7 +131,7 @@ class MaxTextFamily(Family):
 
     def logical_axis_rules(self) -> LogicalRules:
         """MaxText's own rules: ``base.yml`` merged with the model's yml."""
-        config = self.config("tiny", scan_layers=False)
+        config = self.config(self.device_size, scan_layers=False)
         return tuple(
             (name, tuple(target) if isinstance(target, list) else target)
             for name, target in hyperparameters(config, "linen").logical_axis_rules

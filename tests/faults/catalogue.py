@@ -150,9 +150,9 @@ class Gpt3(Gpt3Family):
     """An unchanged gpt3, for faults planted by a patch instead."""
 
 
-def forward_without_capture(model, batch):
+def forward_without_capture(model, batch, train_kwargs):
     """The NNX training forward called directly: its sown ``hidden_states`` stay on the model."""
-    return model(batch.tokens, batch.positions, batch.segment_ids, deterministic=False)
+    return model(batch.tokens, batch.positions, batch.segment_ids, **train_kwargs)
 
 
 def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
@@ -164,7 +164,7 @@ def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
 
 
 def unmasked_loss(logits, batch):
-    """``masked_token_loss`` that counts padding and the row-ending 0 targets too."""
+    """``masked_token_loss`` that counts padding and each row's last target too."""
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch.targets
     )

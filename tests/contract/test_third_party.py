@@ -1,0 +1,105 @@
+"""The Family contract is the whole contract: a zoo written from the docs passes the suite.
+
+``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
+repository's built-in families) installed as a throwaway distribution whose entry
+points register two families: ``toy-minimal`` declares no optional capability,
+``toy-full`` declares layouts, remat, dropout and Qwix modes. The suite runs on both at
+the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
+first, then the whole suite must pass, and every skip must carry a reason.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+FAMILIES = ("toy-minimal", "toy-full")
+ENTRY_POINTS = """[conformance.families]
+toy-minimal = toyzoo.families:ToyMinimal
+toy-full = toyzoo.families:ToyFull
+"""
+
+
+def install_zoo(site: Path) -> None:
+    """``toyzoo`` as an installed distribution: the package and its ``.dist-info``."""
+    shutil.copytree(HERE / "toyzoo", site / "toyzoo")
+    info = site / "toyzoo-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toyzoo\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+
+
+def run_suite(project: Path, site: Path, junit: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "pytest", "--pyargs", "conformance.suite", "-p"]
+    command += ["no:cacheprovider", "-q", "-rs", f"--junitxml={junit}", "--conformance-tier=smoke"]
+    command += [f"--conformance-family={name}" for name in FAMILIES]
+    return subprocess.run(
+        [*command, *args], cwd=project, env=env, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def zoo_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    site, project = root / "site", root / "project"
+    site.mkdir()
+    project.mkdir()
+    install_zoo(site)
+    (project / "pytest.ini").write_text(
+        "[pytest]\nconformance_goldens = goldens\nconformance_builtin_families = false\n"
+    )
+    update = run_suite(project, site, root / "update.xml", "-m", "golden", "--snapshot-update")
+    assert update.returncode == 0, update.stdout[-5000:] + update.stderr[-3000:]
+    run = run_suite(project, site, root / "run.xml")
+    return run, ET.parse(root / "run.xml"), project
+
+
+def test_the_zoo_passes_the_whole_suite_with_zero_failures(zoo_run):
+    run, junit, _ = zoo_run
+    assert run.returncode == 0, run.stdout[-8000:] + run.stderr[-3000:]
+    cases = list(junit.iter("testcase"))
+    failed = [
+        c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None
+    ]
+    assert not failed
+    for family in FAMILIES:
+        ran = [c for c in cases if f"[{family}-" in c.get("name") and c.find("skipped") is None]
+        assert ran, f"nothing of {family} ran"
+
+
+def test_every_skip_names_the_family_and_why(zoo_run):
+    _, junit, _ = zoo_run
+    skips = {
+        c.get("name"): s.get("message", "")
+        for c in junit.iter("testcase")
+        if (s := c.find("skipped")) is not None
+    }
+    assert skips, "toy-minimal declares nothing optional: some checks must skip"
+    vague = {name: why for name, why in skips.items() if "toy-" not in why or len(why) < 30}
+    assert not vague
+
+
+def test_the_minimal_zoo_skips_exactly_what_it_does_not_declare(zoo_run):
+    _, junit, _ = zoo_run
+    minimal = {
+        c.get("name").split("[")[0].removeprefix("test_")
+        for c in junit.iter("testcase")
+        if "[toy-minimal-" in c.get("name") and c.find("skipped") is None
+    }
+    assert {"structure", "sharding", "forward", "train_step", "hygiene"} <= minimal
+    assert not minimal & {"dropout", "decode", "aqt_forward", "quant_forward"}
+
+
+def test_the_goldens_are_the_zoos_own(zoo_run):
+    _, _, project = zoo_run
+    written = {p.relative_to(project / "goldens").parts[:2] for p in project.rglob("*.json")}
+    assert ("toy-minimal", "structure") in written
+    assert ("toy-full", "sharding") in written
+    assert not any(family in ("gpt3", "llama") for family, _ in written)
