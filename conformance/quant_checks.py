@@ -35,7 +35,14 @@ from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant import MODES, unused_rules
 from conformance.sharding import MeshSpec
-from conformance.trees import Flat, PathMapError, flatten_state, map_paths, structure_diff
+from conformance.trees import (
+    Flat,
+    PathMapError,
+    flatten_state,
+    map_paths,
+    structure_diff,
+    variable_kind,
+)
 
 
 def quantized_runners(
@@ -169,8 +176,7 @@ def check_quant_forward(
 def _nnx_transients(model: nnx.Module, allowed: set[type]) -> list[str]:
     """Variables of ``model`` whose type the float model does not have, with the type."""
     return [
-        f"{path}: {type(var).__module__}.{type(var).__qualname__} appeared with quantization"
-        + (" (a sowed intermediate)" if isinstance(var, nnx.Intermediate) else "")
+        f"{path}: {variable_kind(var)} appeared with quantization"
         for path, var in flatten_state(nnx.state(model)).items()
         if type(var) not in allowed
     ]

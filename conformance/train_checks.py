@@ -44,6 +44,7 @@ from conformance.trees import (
     restack,
     specs,
     structure_diff,
+    variable_kind,
 )
 
 STEPS = 3
@@ -284,8 +285,7 @@ def check_layout_invariance(
 def _nnx_transients(state: nnx.State) -> list[str]:
     """Leaves of an NNX state that are not parameters or optimizer state, with their type."""
     return [
-        f"{path}: {type(var).__module__}.{type(var).__qualname__} is not persistent state"
-        + (" (a sowed intermediate)" if isinstance(var, nnx.Intermediate) else "")
+        f"{path}: {variable_kind(var)} is not persistent state"
         for path, var in flatten_state(state).items()
         if not isinstance(var, PERSISTENT)
     ]

@@ -48,6 +48,16 @@ def flatten_state(state: nnx.State) -> dict[str, nnx.Variable]:
     return {join_path(path): var for path, var in nnx.to_flat_state(state)}
 
 
+def variable_kind(var: nnx.Variable) -> str:
+    """A Variable's type as ``module.qualname``, noting a sown intermediate.
+
+    A sow under a string name (``self.sow("stats", ...)``) makes a Variable type of that
+    name on the fly, which is not ``nnx.Intermediate``: it reads ``flax.nnx.variablelib.stats``.
+    """
+    kind = f"{type(var).__module__}.{type(var).__qualname__}"
+    return kind + (" (a sown intermediate)" if isinstance(var, nnx.Intermediate) else "")
+
+
 def refill(abstract: Any, flat: Mapping[str, Any], prefix: str = "") -> Any:
     """``abstract`` (any pytree) with each leaf replaced by ``flat[prefix + its path]``."""
     return jax.tree_util.tree_map_with_path(lambda k, _: flat[prefix + join_path(k)], abstract)

@@ -27,6 +27,7 @@ from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
 from conformance_models import nnx_layers
 from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
 
 
@@ -57,6 +58,16 @@ class StrayCounterBesideRngs(Gpt3Family):
     def nnx_module(self, config, rngs):
         model = super().nnx_module(dataclasses.replace(config, dropout_rate=0.1), rngs)
         model.calls = nnx.BatchStat(jnp.zeros((), jnp.int32))
+        return model
+
+
+class IntermediateAtSetUp(LlamaFamily):
+    """NNX runs one forward while being built (to check shapes), outside ``nnx.capture``."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        batch = self.batch(config, 1)
+        model(batch.tokens, batch.positions, batch.segment_ids)
         return model
 
 
@@ -153,6 +164,15 @@ class Gpt3(Gpt3Family):
 def forward_without_capture(model, batch, train_kwargs):
     """The NNX training forward called directly: its sown ``hidden_states`` stay on the model."""
     return model(batch.tokens, batch.positions, batch.segment_ids, **train_kwargs)
+
+
+_rms_norm_call = llama_nnx.RMSNorm.__call__
+
+
+def _sows_norm_stats(self, x):
+    """RMSNorm that also records its input's scale under a string name, as MaxText did."""
+    self.sow("norm_stats", "rms", jnp.sqrt(jnp.mean(jnp.square(x))))
+    return _rms_norm_call(self, x)
 
 
 def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
@@ -416,9 +436,28 @@ FAULTS = (
         (
             "NNX train step",
             "model/hidden_states: NNX has it",
-            "model/hidden_states: flax.nnx.variablelib.Intermediate is not persistent state",
+            "model/hidden_states: flax.nnx.variablelib.Intermediate (a sown intermediate) "
+            "is not persistent state",
         ),
         patch=(NnxTrainer, "forward", staticmethod(forward_without_capture)),
+    ),
+    Fault(
+        Llama(),
+        "state_hygiene",
+        (
+            "NNX model state after an eager forward is not the freshly built model's",
+            "layers/0/attn_norm/rms: flax.nnx.variablelib.norm_stats appeared",
+        ),
+        patch=(llama_nnx.RMSNorm, "__call__", _sows_norm_stats),
+    ),
+    Fault(
+        IntermediateAtSetUp(),
+        "state_hygiene",
+        (
+            "the freshly built NNX model holds sown intermediates",
+            "hidden_states: flax.nnx.variablelib.Intermediate (a sown intermediate): a forward "
+            "at set-up",
+        ),
     ),
     Fault(
         Llama(),
@@ -534,7 +573,10 @@ FAULTS = (
     Fault(
         Gpt3(),
         "quant_hygiene",
-        ("hidden_states: flax.nnx.variablelib.Intermediate appeared with quantization",),
+        (
+            "hidden_states: flax.nnx.variablelib.Intermediate (a sown intermediate) "
+            "appeared with quantization",
+        ),
         patch=(quant, "strip_transients", _keeps_transients),
         quant="qat_int8",
     ),

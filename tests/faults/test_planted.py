@@ -34,6 +34,7 @@ from conformance.quant_checks import (
     check_quant_params,
 )
 from conformance.sharding import MeshSpec, parse_mesh
+from conformance.state_checks import check_state_hygiene
 from conformance.train_checks import (
     check_grad_accumulation,
     check_hygiene,
@@ -78,6 +79,8 @@ def run_check(fault: Fault, workdir: Path, mesh: MeshSpec) -> None:
             check_grad_accumulation(family, config, mesh, devices)
         case "hygiene":
             check_hygiene(family, config, mesh, devices)
+        case "state_hygiene":
+            check_state_hygiene(family, config, workdir, scan_layers=False)
         case "decode_cache":
             check_decode_cache(family, config, mesh, devices)
         case "decode_consistency":

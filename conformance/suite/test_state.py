@@ -1,0 +1,8 @@
+"""State hygiene outside training: forwards leave the NNX model's state as it was built."""
+
+from conformance.state_checks import check_state_hygiene
+
+
+def test_state_hygiene(family, scan_layers, tmp_path):
+    config = family.config(family.device_size, scan_layers=scan_layers)
+    check_state_hygiene(family, config, tmp_path, scan_layers=scan_layers)
