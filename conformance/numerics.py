@@ -33,7 +33,8 @@ POLICY: Mapping[str, Tolerance] = {
     "bfloat16": Tolerance(1e-5, 1.6e-2),
     "float16": Tolerance(1e-5, 1e-3),
 }
-"""The DESIGN.md section 6 policy, by dtype name; integer and bool dtypes compare exactly."""
+"""The tolerance policy (README, "Tolerances"), by dtype name; integer and bool dtypes
+compare exactly."""
 
 
 def tolerance_for(*dtypes: Any) -> Tolerance:
@@ -56,6 +57,9 @@ class Mismatch:
     max_rel: float
     tolerance: Tolerance
     reason: str = ""
+    zeros: int = 0
+    """Differing elements where the second side is exactly 0: they have no relative
+    error, so ``max_rel`` is over the others only (NaN if there are none)."""
 
     def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
         """One paragraph: the leaf, the worst index, both values, the errors and tolerance."""
@@ -63,11 +67,13 @@ class Mismatch:
         head = f"{self.path}: {self.count} of {self.size} elements differ"
         if self.reason:
             head += f" ({self.reason})"
+        rel = "none" if np.isnan(self.max_rel) else f"{self.max_rel:.3e}"
+        if self.zeros:
+            rel += f" ({self.zeros} where {b} is exactly 0: no relative error there)"
         return (
             f"{head}\n"
             f"    worst at index {list(self.index)}: {a}={self.first!r} {b}={self.second!r}\n"
-            f"    max |a-b|={self.max_abs:.3e}  max rel={self.max_rel:.3e}  "
-            f"tolerance {self.tolerance}"
+            f"    max |a-b|={self.max_abs:.3e}  max rel={rel}  tolerance {self.tolerance}"
         )
 
 
@@ -87,7 +93,7 @@ def compare_arrays(
     ``tolerance`` defaults to the policy for the two dtypes. With ``reference`` (a more
     precise result of the same computation), an element outside tolerance is still
     accepted when the second side is no farther from the reference than the first one:
-    the tie-break of DESIGN.md section 6 for low-precision dtypes.
+    the policy's tie-break for low-precision dtypes (README, "Tolerances").
     """
     a, b = np.asarray(first), np.asarray(second)
     tol = tolerance or tolerance_for(a.dtype, b.dtype)
@@ -116,8 +122,10 @@ def compare_arrays(
         bad &= np.abs(b64 - ref) > np.abs(a64 - ref)
     if not bad.any():
         return None
-    with np.errstate(over="ignore"):
-        rel = np.where(finite, diff / np.maximum(np.abs(b64), np.finfo(np.float64).tiny), np.inf)
+    zero = finite & (b64 == 0)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        rel = np.where(finite & ~zero, diff / np.abs(b64), np.inf)
+    rated = bad & ~zero
     scored = np.where(bad, diff, -1.0)
     worst = np.unravel_index(int(np.argmax(scored)), a.shape) if a.ndim else ()
     nonfinite = int((bad & ~finite).sum())
@@ -130,9 +138,10 @@ def compare_arrays(
         count=int(bad.sum()),
         size=int(a.size),
         max_abs=float(np.max(np.where(bad, diff, 0.0))),
-        max_rel=float(np.max(np.where(bad, rel, 0.0))),
+        max_rel=float(np.max(np.where(rated, rel, 0.0))) if rated.any() else np.nan,
         tolerance=tol,
         reason=reason,
+        zeros=int((bad & zero).sum()),
     )
 
 

@@ -82,3 +82,13 @@ def test_tree_with_leaf_on_one_side_only_is_a_mismatch():
 def test_policy_matches_design(dtype):
     expected = {"float32": (1e-5, 1.3e-6), "bfloat16": (1e-5, 1.6e-2)}[dtype]
     assert (POLICY[dtype].atol, POLICY[dtype].rtol) == expected
+
+
+def test_an_exact_zero_on_the_other_side_has_no_relative_error():
+    found = compare_arrays("grads/bias", np.array([0.5, 1e-3, 2.0]), np.array([0.0, 0.0, 1.0]))
+    assert found.zeros == 2
+    assert found.max_rel == 1.0
+    text = found.describe()
+    assert "max rel=1.000e+00 (2 where NNX is exactly 0: no relative error there)" in text
+    only_zero = compare_arrays("grads/bias", np.array([1e-3]), np.array([0.0]))
+    assert "max rel=none (1 where NNX is exactly 0" in only_zero.describe()
