@@ -82,7 +82,8 @@ def check_state_hygiene(family: Family, config: Any, workdir: Path, *, scan_laye
     """
     runner = nnx_runner(family, config)
     batch = family.batch(config, BATCH_SIZE)
-    fresh = flatten_state(nnx.state(runner.build(0)))
+    built = runner.build(0)
+    fresh = flatten_state(nnx.state(built))
     left = [
         f"{path}: {variable_kind(var)}: a forward at set-up left it in the model's state"
         for path, var in fresh.items()
@@ -105,6 +106,6 @@ def check_state_hygiene(family: Family, config: Any, workdir: Path, *, scan_laye
     info = CheckpointInfo(family.name, family.device_size, "nnx", scan_layers)
     save(directory, _persistent(model), info)
     try:
-        restore(directory, specs(_persistent(runner.build(0))))
+        restore(directory, specs(_persistent(built)))
     except CheckpointError as err:
         fail(family, CHECK, f"a checkpoint saved after an eager forward: {err}")
