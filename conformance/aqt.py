@@ -20,7 +20,14 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from conformance.backends import LinenRunner, NnxRunner, linen_runner, mesh_of, nnx_runner
+from conformance.backends import (
+    LinenRunner,
+    NnxRunner,
+    linen_runner,
+    mesh_of,
+    model_inputs,
+    nnx_runner,
+)
 from conformance.families import Batch, Family
 from conformance.scope import scoped
 from conformance.sharding import Logical, linen_logical
@@ -32,10 +39,6 @@ COLLECTION = "aqt"
 
 class AqtError(RuntimeError):
     """A family's AQT modes do not produce what convert and serve need."""
-
-
-def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return batch.tokens, batch.positions, batch.segment_ids
 
 
 def frozen_variable_type() -> type[nnx.Variable[Any]]:
@@ -52,7 +55,7 @@ class LinenAqt:
             family, family.aqt_config(config, "convert")
         )
         self.serve_runner: LinenRunner = linen_runner(family, family.aqt_config(config, "serve"))
-        example = _inputs(family.batch(config, 1))
+        example = model_inputs(family.batch(config, 1))
         boxed = jax.eval_shape(self.serve_runner.module.init, jax.random.key(0), *example)
         if not boxed.get(COLLECTION):
             raise AqtError(
@@ -66,7 +69,7 @@ class LinenAqt:
 
     def _convert_impl(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
         logits, state = self.convert_runner.module.apply(
-            {"params": params}, *_inputs(batch), mutable=[COLLECTION]
+            {"params": params}, *model_inputs(batch), mutable=[COLLECTION]
         )
         return logits, nn.meta.unbox(state[COLLECTION])
 
@@ -77,7 +80,7 @@ class LinenAqt:
 
     def _serve_impl(self, params: Any, frozen: Any, batch: Batch) -> jax.Array:
         return self.serve_runner.module.apply(
-            {"params": params, COLLECTION: frozen}, *_inputs(batch)
+            {"params": params, COLLECTION: frozen}, *model_inputs(batch)
         )
 
     def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
@@ -138,7 +141,7 @@ class NnxAqt:
         self, params: nnx.State, rest: nnx.State, batch: Batch
     ) -> tuple[jax.Array, nnx.State]:
         model = nnx.merge(self.convert_runner.graphdef, params, rest)
-        logits, _ = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        logits, _ = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
         return logits, nnx.state(model, self.kind)
 
     def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
@@ -152,7 +155,7 @@ class NnxAqt:
     ) -> jax.Array:
         model = nnx.merge(self.serve_runner.graphdef, params, rest)
         nnx.update(model, frozen)
-        logits, _ = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        logits, _ = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
         return logits
 
     def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:

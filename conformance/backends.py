@@ -42,7 +42,8 @@ class TransplantError(ValueError):
     """Parameters could not be moved to the other side without loss."""
 
 
-def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+def model_inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The positional arguments both sides' modules are called with: tokens, positions, segments."""
     return batch.tokens, batch.positions, batch.segment_ids
 
 
@@ -75,8 +76,9 @@ class LinenRunner:
         self.provider = _provider(family, config, quant)
         module = family.linen_module(config)
         self.module = module if self.provider is None else quantize_linen(module, self.provider)
-        example = _inputs(family.batch(config, 1))
-        boxed = jax.eval_shape(self.module.init, jax.random.key(0), *example)["params"]
+        example = model_inputs(family.batch(config, 1))
+        variables = jax.eval_shape(self.module.init, jax.random.key(0), *example)
+        boxed = variables["params"]
         self.logical: dict[str, Logical] = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
         self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
@@ -95,7 +97,7 @@ class LinenRunner:
         return self._quantize(float_params)
 
     def _init_impl(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
-        return nn.meta.unbox(self.module.init(key, *_inputs(batch))["params"])
+        return nn.meta.unbox(self.module.init(key, *model_inputs(batch))["params"])
 
     def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
         """Initialise parameters from ``seed``, created directly with ``shardings``."""
@@ -108,7 +110,7 @@ class LinenRunner:
 
     def _forward_impl(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
         logits, state = self.module.apply(
-            {"params": params}, *_inputs(batch), mutable=["intermediates"]
+            {"params": params}, *model_inputs(batch), mutable=["intermediates"]
         )
         return logits, _sown_hidden(state)
 
@@ -153,7 +155,7 @@ class NnxRunner:
     def _quantized(self, model: nnx.Module) -> nnx.Module:
         if self.provider is None:
             return model
-        example = _inputs(self.family.batch(self.config, 1))
+        example = model_inputs(self.family.batch(self.config, 1))
         return quantize_nnx(model, self.provider, example)
 
     def quantize(self, float_params: Flat) -> Flat:
@@ -208,7 +210,7 @@ class NnxRunner:
         self, params: nnx.State, rest: nnx.State, batch: Batch
     ) -> tuple[jax.Array, Any]:
         model = nnx.merge(self.graphdef, params, rest)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(*_inputs(batch))
+        logits, sown = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
         return logits, _sown_hidden(sown)
 
     def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:

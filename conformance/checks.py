@@ -24,6 +24,7 @@ from conformance.backends import (
     transplant,
 )
 from conformance.families import Batch, Family
+from conformance.localise import Divergence, localise
 from conformance.numerics import compare_arrays, report, tolerance_for
 from conformance.sharding import (
     Logical,
@@ -269,9 +270,13 @@ class ForwardResult:
     hidden: jax.Array | None
 
 
-def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any) -> str:
+_NOT_SOWN = "per-block hidden states are not sown on both sides (an optional shortcut)"
+
+
+def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any) -> str | None:
+    """Localisation from the sown ``hidden_states``, when both sides sow them."""
     if first.hidden is None or second.hidden is None:
-        return "per-block hidden states were not sown on both sides; cannot localise"
+        return None
     for layer in range(first.hidden.shape[0]):
         found = compare_arrays(
             f"hidden_states[{layer}]", first.hidden[layer], second.hidden[layer], tol
@@ -319,7 +324,13 @@ def check_forward(
             ref = linen_runner(family, reference_config).forward(linen_params, batch)[0]
             found = compare_arrays("logits", a.logits, b.logits, tol, reference=ref)
         if found is not None:
-            where = _first_divergent_block(a, b, tol)
+            rules = family.path_rules(config)
+            found_module = localise(linen, nnx_, linen_params, nnx_params, batch, mapping, rules)
+            where = (
+                found_module.describe() if isinstance(found_module, Divergence) else found_module
+            )
+            if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
+                where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
             fail(
                 family,
                 "forward",

@@ -20,7 +20,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.backends import linen_runner, mesh_of, nnx_runner
+from conformance.backends import linen_runner, mesh_of, model_inputs, nnx_runner
 from conformance.families import Batch, Family
 from conformance.scope import scoped
 from conformance.sharding import Logical, linen_logical, nnx_logical
@@ -31,10 +31,6 @@ CacheShardings = Mapping[str, NamedSharding]
 
 class DecodeError(RuntimeError):
     """A family cannot serve: no cache, or a prompt that does not fit."""
-
-
-def _inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return batch.tokens, batch.positions, batch.segment_ids
 
 
 def _jitted(
@@ -53,7 +49,7 @@ class LinenDecoder:
     def __init__(self, family: Family, config: Any, rows: int) -> None:
         self.family, self.config, self.rows = family, config, rows
         self.module = linen_runner(family, config).module
-        example = _inputs(family.batch(config, rows))
+        example = model_inputs(family.batch(config, rows))
         init = functools.partial(self.module.init, mode="prefill")
         boxed = jax.eval_shape(init, jax.random.key(0), *example).get("cache")
         if not boxed:
@@ -65,7 +61,7 @@ class LinenDecoder:
         self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
 
     def _init_impl(self, batch: Batch) -> Any:
-        variables = self.module.init(jax.random.key(0), *_inputs(batch), mode="prefill")
+        variables = self.module.init(jax.random.key(0), *model_inputs(batch), mode="prefill")
         return nn.meta.unbox(variables["cache"])
 
     def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
@@ -75,7 +71,7 @@ class LinenDecoder:
 
     def _serve(self, params: Any, cache: Any, batch: Batch, *, mode: str) -> Any:
         logits, mutated = self.module.apply(
-            {"params": params, "cache": cache}, *_inputs(batch), mode=mode, mutable=["cache"]
+            {"params": params, "cache": cache}, *model_inputs(batch), mode=mode, mutable=["cache"]
         )
         return logits, mutated["cache"]
 
@@ -141,7 +137,7 @@ class NnxDecoder:
         self, params: nnx.State, cache: nnx.State, rest: nnx.State, batch: Batch, *, mode: str
     ) -> Any:
         model = nnx.merge(self.graphdef, params, cache, rest)
-        logits = model(*_inputs(batch), mode=mode)
+        logits = model(*model_inputs(batch), mode=mode)
         return logits, nnx.state(model, nnx.Cache)
 
     def run(

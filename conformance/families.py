@@ -114,9 +114,10 @@ class Family(abc.ABC):
       where Linen also gets one key per stream in :attr:`train_rngs`.
     * Optionally, both sides sow the stacked outputs of their decoder blocks, ``[layers,
       batch, seq, d_model]``, as an intermediate named ``hidden_states`` on the top module
-      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``): a forward mismatch is
-      then reported per block. Without it, the harness captures every submodule's output
-      itself and names the first that diverges.
+      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``). The harness records
+      every module call itself and names the first whose inputs agree and whose output
+      diverges; the sown states only name the block when that recording stops at a Linen
+      ``nn.scan`` (README, "Localisation").
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
       NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
     * With ``Capabilities(decode=True)``, both sides also take a call-time keyword

@@ -29,6 +29,7 @@ from conformance_models import nnx_layers
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
+from tests.contract.toyzoo.families import ToyMinimal
 
 
 class _NnxConfigFault:
@@ -108,6 +109,15 @@ class SilentBfloat16(LlamaFamily):
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)
         model.layers[1].mlp.down.dtype = jnp.bfloat16
+        return model
+
+
+class ToyNormEpsilon(ToyMinimal):
+    """A third-party family that sows nothing: NNX block 1's LayerNorm epsilon is 1e-2."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.blocks[1].norm.epsilon = 1e-2
         return model
 
 
@@ -403,9 +413,31 @@ FAULTS = (
         ("layers/1/mlp/down/kernel: Linen float32[128, 64]", "NNX float32[64, 128]"),
     ),
     Fault(MissingParameter(), "structure", ("lm_head/kernel: Linen has it",)),
-    Fault(NormEpsilon(), "forward", ("logits:", "first divergent block: 0")),
-    Fault(RopeBase(), "forward", ("logits:", "first divergent block: 0")),
-    Fault(SilentBfloat16(), "forward", ("logits:", "first divergent block: 1")),
+    Fault(
+        NormEpsilon(),
+        "forward",
+        ("logits:", "first divergent module: layers_0/attn_norm (NNX layers/0/attn_norm)"),
+    ),
+    Fault(
+        RopeBase(),
+        "forward",
+        ("logits:", "first divergent module: layers_0/attn (NNX layers/0/attn), __call__"),
+    ),
+    Fault(
+        SilentBfloat16(),
+        "forward",
+        ("logits:", "first divergent module: layers_1/mlp/down (NNX layers/1/mlp/down)"),
+    ),
+    Fault(
+        ToyNormEpsilon(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: block_1/norm (NNX blocks/1/norm), __call__: "
+            "its inputs agree and its output does not",
+        ),
+        size="small",
+    ),
     Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),
     Fault(
         SpecOnWrongAxis(),

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
-from toyzoo.models import RULES, LinenToy, NnxToy, ToyConfig
 
 from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
+
+from .models import RULES, LinenToy, NnxToy, ToyConfig
 
 SIZES = {
     "small": ToyConfig(vocab=64, width=32, hidden=64, depth=2, length=16),

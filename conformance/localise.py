@@ -1,0 +1,357 @@
+"""Find the first module whose output diverges, with no help from the family.
+
+Both sides run the same forward once more, with every module method call recorded: a
+Linen method interceptor on one side, the NNX module classes' methods wrapped for the
+duration of the trace on the other. Each call sends its array inputs and outputs to the
+host through ``jax.debug.callback``, so calls inside ``scan`` or ``remat`` bodies are
+recorded once per iteration. Modules are paired through the family's path map (a module
+is paired with the NNX module that holds exactly the images of its parameters), calls by
+method name and call count. The culprit is the first call, in call order, whose inputs
+agree and whose output does not: the module that introduced the divergence rather than
+one that inherited it.
+
+This runs only when a forward comparison has already failed, so its extra compilation
+is never paid by a passing suite.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import inspect
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import linen as nn
+from flax import nnx
+from flax.core import tracers
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from conformance.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
+from conformance.families import Batch, PathRules
+from conformance.numerics import Mismatch, compare_arrays
+from conformance.trees import Flat, join_path, map_paths
+
+CallKey = tuple[str, str, int]
+"""``(module path, method name, how many calls of it came before)``."""
+
+_PATH_ATTR = "_conformance_module_path"
+
+
+@dataclasses.dataclass
+class Call:
+    """One recorded module method call: its array inputs and outputs, on the host."""
+
+    order: int
+    inputs: list[np.ndarray]
+    outputs: list[np.ndarray]
+
+
+class Recorder:
+    """Collects calls from host callbacks, keyed by :data:`CallKey`.
+
+    ``order`` is the position of the call's method in trace order (the order the Python
+    code ran); calls of one traced method repeated at run time (a scanned body) are
+    counted in arrival order.
+    """
+
+    def __init__(self, mesh: Mesh | None) -> None:
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self.calls: dict[CallKey, Call] = {}
+        self._order: dict[tuple[str, str], int] = {}
+        self._count: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def trace(self, path: str, method: str, args: Any, output: Any) -> None:
+        """Called while tracing a method call: stage a host callback for its values."""
+        order = self._order.setdefault((path, method), len(self._order))
+        inputs, outputs = self._gathered(args), self._gathered(output)
+        jax.debug.callback(self._receive, path, method, order, inputs, outputs)
+
+    def _gathered(self, tree: Any) -> list[jax.Array]:
+        """``tree``'s arrays replicated first, so the partitioner gathers them cheaply."""
+        arrays = _arrays(tree)
+        if self._replicated is None:
+            return arrays
+        return [jax.lax.with_sharding_constraint(x, self._replicated) for x in arrays]
+
+    def _receive(
+        self,
+        path: str,
+        method: str,
+        order: int,
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+    ) -> None:
+        count = self._count[(path, method)]
+        self._count[(path, method)] += 1
+        self.calls[(path, method, count)] = Call(
+            order, [np.asarray(x) for x in inputs], [np.asarray(x) for x in outputs]
+        )
+
+
+def _arrays(tree: Any) -> list[jax.Array]:
+    """The floating-point array leaves of ``tree``: what can diverge numerically."""
+    return [
+        leaf
+        for leaf in jax.tree.leaves(tree)
+        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+    ]
+
+
+def _traced_method(name: str, base: Any) -> bool:
+    """Whether a method of a module class is recorded: ``__call__`` and public methods."""
+    return name == "__call__" or (not name.startswith("_") and not hasattr(base, name))
+
+
+def record_linen(runner: LinenRunner, params: Flat, batch: Batch) -> Recorder:
+    """Run the Linen forward once, recording every module method call.
+
+    Calls inside a Linen lifted transform (``nn.scan``, ``nn.remat``, ...) are not
+    recorded: ``nn.scan`` traces its body once more to find broadcast variables and
+    refuses any effect there. The transformed module's own call is recorded.
+    """
+    recorder = Recorder(mesh_of(params))
+    outer: list[Any] = []
+
+    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        output = next_fun(*args, **kwargs)
+        lifted = context.module.scope.trace_level != outer[0]
+        if not lifted and _traced_method(context.method_name, nn.Module):
+            path = "/".join(context.module.path)
+            recorder.trace(path, context.method_name, (args, kwargs), output)
+        return output
+
+    def forward(tree: Any, batch: Batch) -> Any:
+        outer[:] = [tracers.current_trace()]
+        with nn.intercept_methods(interceptor):
+            return runner.module.apply({"params": tree}, *model_inputs(batch))
+
+    jax.block_until_ready(jax.jit(forward)(runner.tree(params), batch))
+    jax.effects_barrier()
+    return recorder
+
+
+@contextlib.contextmanager
+def _nnx_methods_recorded(model: nnx.Module, recorder: Recorder) -> Iterator[None]:
+    """Wrap the recorded methods of every module class in ``model`` while tracing."""
+    for path, module in nnx.iter_modules(model):
+        object.__setattr__(module, _PATH_ATTR, join_path(path))
+    classes = {
+        type(module)
+        for _, module in nnx.iter_modules(model)
+        if not isinstance(module, nnx.List | nnx.Dict)
+    }
+    originals = {
+        (cls, name): (name in vars(cls), inspect.getattr_static(cls, name))
+        for cls in classes
+        for name in dir(cls)
+        if _traced_method(name, nnx.Module)
+        and inspect.isfunction(inspect.getattr_static(cls, name))
+    }
+
+    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+            output = method(self, *args, **kwargs)
+            path = getattr(self, _PATH_ATTR, None)
+            if path is not None:
+                recorder.trace(path, name, (args, kwargs), output)
+            return output
+
+        return recorded
+
+    try:
+        for (cls, name), (_, method) in originals.items():
+            setattr(cls, name, wrap(name, method))
+        yield
+    finally:
+        for (cls, name), (own, method) in originals.items():
+            if own:
+                setattr(cls, name, method)
+            else:
+                delattr(cls, name)
+
+
+def record_nnx(runner: NnxRunner, params: Flat, batch: Batch) -> Recorder:
+    """Run the NNX forward once, recording every module method call."""
+    recorder = Recorder(mesh_of(params))
+
+    def forward(state: nnx.State, rest: nnx.State, batch: Batch) -> Any:
+        model = nnx.merge(runner.graphdef, state, rest)
+        with _nnx_methods_recorded(model, recorder):
+            return nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))[0]
+
+    state, rest = runner.state(params), runner.rest(mesh_of(params))
+    jax.block_until_ready(jax.jit(forward)(state, rest, batch))
+    jax.effects_barrier()
+    return recorder
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if "/" in path else ""
+
+
+def _under(prefix: str, path: str) -> bool:
+    return prefix == "" or path.startswith(prefix + "/")
+
+
+def _common_prefix(paths: Sequence[str]) -> str:
+    split = [p.split("/") for p in paths]
+    common = []
+    for parts in zip(*split, strict=False):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return "/".join(common)
+
+
+def module_pairs(
+    mapping: Mapping[str, str],
+    rules: PathRules,
+    linen_modules: Sequence[str],
+    nnx_modules: Sequence[str],
+) -> dict[str, str]:
+    """``{Linen module path: NNX module path}`` for every module that has a counterpart.
+
+    A module holding parameters pairs with the NNX module that holds exactly their
+    images under ``mapping``; one holding none pairs by the family's path rules applied
+    to its path, or by the same path.
+    """
+    nnx_set = set(nnx_modules)
+    pairs = {}
+    for module in linen_modules:
+        images = [dst for src, dst in mapping.items() if _under(module, src)]
+        if images:
+            target = _common_prefix([_parent(p) for p in images])
+            owned = [p for p in mapping.values() if _under(target, p)]
+            if target in nnx_set and sorted(owned) == sorted(images):
+                pairs[module] = target
+            continue
+        for candidate in (map_paths(rules, [module])[module], module):
+            if candidate in nnx_set:
+                pairs[module] = candidate
+                break
+    return pairs
+
+
+def _compare(label: str, first: list[np.ndarray], second: list[np.ndarray]) -> Mismatch | None:
+    """The first leaf of ``label`` outside tolerance; ``None`` if all agree."""
+    for i, (a, b) in enumerate(zip(first, second, strict=True)):
+        found = compare_arrays(f"{label}[{i}]", a, b)
+        if found is not None:
+            return found
+    return None
+
+
+def _comparable(first: list[np.ndarray], second: list[np.ndarray]) -> bool:
+    return len(first) == len(second) and all(
+        a.shape == b.shape for a, b in zip(first, second, strict=True)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """Where a forward first diverges, as found by :func:`first_divergence`."""
+
+    linen_call: CallKey
+    nnx_path: str
+    mismatch: Mismatch
+    inputs_compared: bool
+    agreed: int
+    """Paired calls before this one whose outputs agree."""
+    unpaired_inside: int = 0
+    """NNX calls inside this module with no recorded Linen counterpart."""
+
+    def describe(self) -> str:
+        """Two or more lines naming the module, the method, the call and the worst leaf."""
+        path, method, count = self.linen_call
+        where = path or "(the top module)"
+        nth = f", call {count + 1}" if count else ""
+        same = "" if self.nnx_path == path else f" (NNX {self.nnx_path or 'top module'})"
+        inputs = (
+            "its inputs agree and its output does not"
+            if self.inputs_compared
+            else "its output differs (its inputs could not be paired, so it may inherit it)"
+        )
+        inside = (
+            f"; {self.unpaired_inside} NNX call(s) inside it have no recorded Linen "
+            "counterpart (Linen calls inside nn.scan and other lifted transforms are not "
+            "recorded), so the divergence may be anywhere inside it"
+            if self.unpaired_inside
+            else ""
+        )
+        return (
+            f"first divergent module: {where}{same}, {method}{nth}: {inputs}; "
+            f"the {self.agreed} paired call(s) before it agree{inside}\n    "
+            + self.mismatch.describe().replace("\n", "\n  ")
+        )
+
+
+def first_divergence(
+    linen: Recorder,
+    nnx_: Recorder,
+    mapping: Mapping[str, str],
+    rules: PathRules,
+) -> Divergence | str:
+    """The first paired call whose inputs agree and output diverges, or why there is none."""
+    linen_modules = sorted({path for path, _, _ in linen.calls})
+    nnx_modules = sorted({path for path, _, _ in nnx_.calls})
+    pairs = module_pairs(mapping, rules, linen_modules, nnx_modules)
+    ordered = sorted(linen.calls.items(), key=lambda kv: (kv[0][2], kv[1].order))
+    compared = agreed = 0
+    for (path, method, count), call in ordered:
+        other = nnx_.calls.get((pairs.get(path, "\0"), method, count))
+        if other is None or not _comparable(call.outputs, other.outputs):
+            continue
+        compared += 1
+        found = _compare("output", call.outputs, other.outputs)
+        if found is None:
+            agreed += 1
+            continue
+        inputs_known = _comparable(call.inputs, other.inputs)
+        if inputs_known and _compare("input", call.inputs, other.inputs) is not None:
+            continue
+        target = pairs[path]
+        paired = set(pairs.values())
+        inside = sum(
+            1 for p, _, _ in nnx_.calls if p != target and _under(target, p) and p not in paired
+        )
+        return Divergence((path, method, count), target, found, inputs_known, agreed, inside)
+    if not compared:
+        return (
+            f"no module call could be paired between the sides ({len(linen.calls)} Linen, "
+            f"{len(nnx_.calls)} NNX calls recorded); cannot localise"
+        )
+    return (
+        f"every one of the {compared} paired module calls agrees: the divergence is "
+        "outside the modules (in code between module calls)"
+    )
+
+
+def localise(
+    linen: LinenRunner,
+    nnx_: NnxRunner,
+    linen_params: Flat,
+    nnx_params: Flat,
+    batch: Batch,
+    mapping: Mapping[str, str],
+    rules: PathRules,
+) -> Divergence | str:
+    """The first divergent module of a forward between the two sides, or why none was found.
+
+    Never raises for a model it cannot record this way: the reason is the answer.
+    """
+    try:
+        found = first_divergence(
+            record_linen(linen, linen_params, batch),
+            record_nnx(nnx_, nnx_params, batch),
+            mapping,
+            rules,
+        )
+    except Exception as err:  # localisation is advice: never a second failure
+        reason = re.sub(r"\s+", " ", str(err))[:300]
+        return f"module outputs could not be recorded ({type(err).__name__}: {reason})"
+    return found
