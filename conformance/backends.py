@@ -33,6 +33,7 @@ from conformance.trees import (
     refill,
     specs,
     unflatten,
+    variable_kind,
 )
 
 HIDDEN_STATES = "hidden_states"
@@ -79,6 +80,13 @@ class LinenRunner:
         example = model_inputs(family.batch(config, 1))
         variables = jax.eval_shape(self.module.init, jax.random.key(0), *example)
         boxed = variables["params"]
+        self.held: dict[str, str] = {
+            path: f"collection {collection!r}"
+            for collection, tree in variables.items()
+            if collection != "params"
+            for path in flatten(tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+        }
+        """What the module holds outside ``params``, by path within its collection."""
         self.logical: dict[str, Logical] = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
         self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
@@ -135,6 +143,10 @@ class NnxRunner:
         self._abstract_vars = flatten_state(params)
         self.logical: dict[str, Logical] = nnx_logical(params)
         self.specs: dict[str, LeafSpec] = specs(self._abstract_vars)
+        self.held: dict[str, str] = {
+            path: variable_kind(var) for path, var in flatten_state(self._abstract_rest).items()
+        }
+        """What the model holds outside ``nnx.Param``: each Variable's type, by path."""
         self.rng_streams: list[str] = sorted(
             path
             for path, var in flatten_state(self._abstract_rest).items()

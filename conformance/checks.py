@@ -93,8 +93,10 @@ def check_structure(family: Family, config: Any) -> dict[str, Any]:
     states leave out (see :mod:`conformance.training`).
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = map_paths(family.path_rules(config), linen.specs)
-    problems = structure_diff(linen.specs, nnx_.specs, mapping)
+    rules = family.path_rules(config)
+    mapping = map_paths(rules, linen.specs)
+    linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
+    problems = structure_diff(linen.specs, nnx_.specs, mapping, linen_held, nnx_.held)
     counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
     fail_if_any(family, "structure", f"{len(problems)} difference(s) ({counts})", problems)
     return {

@@ -148,21 +148,41 @@ def specs(flat: Mapping[str, Any]) -> dict[str, LeafSpec]:
 
 
 def structure_diff(
-    linen: Mapping[str, LeafSpec], nnx_: Mapping[str, LeafSpec], mapping: Mapping[str, str]
+    linen: Mapping[str, LeafSpec],
+    nnx_: Mapping[str, LeafSpec],
+    mapping: Mapping[str, str],
+    linen_held: Mapping[str, str] | None = None,
+    nnx_held: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Every disagreement between the two trees, one line each, keyed by the NNX path.
 
     Lists leaves present on only one side and leaves whose shape or dtype differ; an
-    empty list means the trees agree leaf for leaf.
+    empty list means the trees agree leaf for leaf. ``linen_held`` and ``nnx_held`` say
+    what each side holds, outside its parameters, at an NNX path (a Linen collection, an
+    NNX Variable type): a parameter missing on one side is then reported as held there
+    as something that is not trained or checkpointed as a parameter.
     """
+    linen_held, nnx_held = linen_held or {}, nnx_held or {}
     problems = []
     mapped = {mapping.get(path, path): (path, spec) for path, spec in linen.items()}
     for nnx_path in sorted(set(mapped) | set(nnx_)):
         if nnx_path not in nnx_:
             src, spec = mapped[nnx_path]
-            problems.append(f"{nnx_path}: Linen has it (as {src}, {spec}); NNX does not")
+            other = (
+                f"NNX holds it as {nnx_held[nnx_path]}, not nnx.Param: it will not be "
+                "trained or checkpointed as a parameter"
+                if nnx_path in nnx_held
+                else "NNX does not"
+            )
+            problems.append(f"{nnx_path}: Linen has it (as {src}, {spec}); {other}")
         elif nnx_path not in mapped:
-            problems.append(f"{nnx_path}: NNX has it ({nnx_[nnx_path]}); Linen does not")
+            other = (
+                f"Linen holds it in {linen_held[nnx_path]}, not 'params': it will not be "
+                "trained or checkpointed as a parameter"
+                if nnx_path in linen_held
+                else "Linen does not"
+            )
+            problems.append(f"{nnx_path}: NNX has it ({nnx_[nnx_path]}); {other}")
         elif mapped[nnx_path][1] != nnx_[nnx_path]:
             src, spec = mapped[nnx_path]
             problems.append(f"{nnx_path}: Linen {spec} (as {src}) != NNX {nnx_[nnx_path]}")

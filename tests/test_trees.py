@@ -53,6 +53,24 @@ def test_structure_diff_reports_missing_extra_and_changed_leaves():
     ]
 
 
+def test_structure_diff_says_what_the_other_side_holds_instead_of_a_parameter():
+    f32 = LeafSpec((8,), "float32")
+    problems = structure_diff(
+        {"norm/scale": f32},
+        {"stats/mean": f32},
+        {"norm/scale": "norm/scale"},
+        linen_held={"stats/mean": "collection 'batch_stats'"},
+        nnx_held={"norm/scale": "flax.nnx.variablelib.Variable"},
+    )
+    assert problems == [
+        "norm/scale: Linen has it (as norm/scale, float32[8]); NNX holds it as "
+        "flax.nnx.variablelib.Variable, not nnx.Param: it will not be trained or "
+        "checkpointed as a parameter",
+        "stats/mean: NNX has it (float32[8]); Linen holds it in collection 'batch_stats', "
+        "not 'params': it will not be trained or checkpointed as a parameter",
+    ]
+
+
 STACK = ((r"^layers_(?P<layer>\d+)/", "layers/"),)
 
 

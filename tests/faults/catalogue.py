@@ -91,6 +91,16 @@ class MissingParameter(LlamaFamily):
         return model
 
 
+class NormScaleNotParam(LlamaFamily):
+    """NNX block 0's MLP norm holds its scale as a plain ``nnx.Variable``, not ``nnx.Param``."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        norm = model.layers[0].mlp_norm
+        norm.scale = nnx.Variable(norm.scale.get_value())
+        return model
+
+
 class NormEpsilon(_NnxConfigFault, LlamaFamily):
     """NNX RMSNorm epsilon is 1e-5 instead of 1e-6."""
 
@@ -413,6 +423,15 @@ FAULTS = (
         ("layers/1/mlp/down/kernel: Linen float32[128, 64]", "NNX float32[64, 128]"),
     ),
     Fault(MissingParameter(), "structure", ("lm_head/kernel: Linen has it",)),
+    Fault(
+        NormScaleNotParam(),
+        "structure",
+        (
+            "layers/0/mlp_norm/scale: Linen has it (as layers_0/mlp_norm/scale, float32[64]); "
+            "NNX holds it as flax.nnx.variablelib.Variable, not nnx.Param: it will not be "
+            "trained or checkpointed as a parameter",
+        ),
+    ),
     Fault(
         NormEpsilon(),
         "forward",
