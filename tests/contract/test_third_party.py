@@ -3,7 +3,7 @@
 ``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
 repository's built-in families) installed as a throwaway distribution whose entry
 points register two families: ``toy-minimal`` declares no optional capability,
-``toy-full`` declares layouts, remat, dropout and Qwix modes. The suite runs on both at
+``toy-full`` declares layouts, remat, dropout, decode and Qwix QAT. The suite runs on both at
 the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
 first, then the whole suite must pass, and every skip must carry a reason.
 """
@@ -95,6 +95,17 @@ def test_the_minimal_zoo_skips_exactly_what_it_does_not_declare(zoo_run):
     }
     assert {"structure", "sharding", "forward", "train_step", "hygiene"} <= minimal
     assert not minimal & {"dropout", "decode", "aqt_forward", "quant_forward"}
+
+
+def test_the_full_zoo_runs_what_it_declares(zoo_run):
+    _, junit, _ = zoo_run
+    full = {
+        c.get("name").split("[")[0].removeprefix("test_")
+        for c in junit.iter("testcase")
+        if "[toy-full-" in c.get("name") and c.find("skipped") is None
+    }
+    declared = {"dropout", "layout", "decode_cache", "decode_consistency", "decode"}
+    assert declared | {"quant_forward", "checkpoint_conversion"} <= full
 
 
 def test_the_goldens_are_the_zoos_own(zoo_run):

@@ -57,13 +57,14 @@ class ToyMinimal(Family):
 
 
 class ToyFull(ToyMinimal):
-    """Every optional hook: both layouts, remat and dropout variants, Qwix QAT."""
+    """Every optional hook: both layouts, remat and dropout variants, decode, Qwix QAT."""
 
     name = "toy-full"
     capabilities = Capabilities(
         scan_layers=(True, False),
         remat=True,
         dropout=True,
+        decode=True,
         # ptq_int8 on the scanned layout fails inside qwix 0.1.8 (flax_util.update_sharding:
         # "shape=(32, 64) spec=('layers', 'embed', 'mlp')"): QAT only, until it is localised.
         quantization=frozenset({"qat_int8"}),

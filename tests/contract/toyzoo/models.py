@@ -3,6 +3,8 @@
 Each block mixes positions by a causal running mean over real tokens (parameter-free)
 and applies a residual MLP. No ``hidden_states`` are sown, modules take no
 ``deterministic`` keyword (training is ``train=True``), and sizes are not ``tiny``.
+Serving (``mode="prefill"`` then ``"decode"``) keeps each block's running sum and count
+of real positions as its cache.
 """
 
 from __future__ import annotations
@@ -38,26 +40,61 @@ class ToyConfig:
     dtype: Any = jnp.float32
 
 
+def running_mean(
+    x: jax.Array, segment_ids: jax.Array, total: jax.Array, count: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each position's mean over the real positions up to it, after a cached prefix.
+
+    ``total`` ``[batch, width]`` and ``count`` ``[batch]`` sum the cached positions
+    (zeros for a whole sequence). Returns the new total, the new count and the means.
+    """
+    real = (segment_ids != 0)[..., None].astype(x.dtype)
+    sums = total[:, None].astype(x.dtype) + jnp.cumsum(x * real, axis=1)
+    counts = count[:, None, None].astype(x.dtype) + jnp.cumsum(real, axis=1)
+    return sums[:, -1], counts[:, -1, 0], sums / jnp.maximum(counts, 1.0)
+
+
 def causal_mean(x: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Each position's mean over the real positions up to it."""
-    real = (segment_ids != 0)[..., None].astype(x.dtype)
-    total = jnp.cumsum(x * real, axis=1)
-    count = jnp.maximum(jnp.cumsum(real, axis=1), 1.0)
-    return total / count
+    batch, width = x.shape[0], x.shape[-1]
+    return running_mean(x, segment_ids, jnp.zeros((batch, width)), jnp.zeros((batch,)))[2]
 
 
 class LinenBlock(nn.Module):
     config: ToyConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, None]:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array, mode: str = "forward"
+    ) -> tuple[jax.Array, None]:
         cfg = self.config
+        if mode == "forward":
+            mixed = causal_mean(x, segment_ids)
+        else:
+            exists = self.has_variable("cache", "total")
+            total = self.variable(
+                "cache",
+                "total",
+                nn.with_logical_partitioning(jnp.zeros, ("batch", "embed")),
+                (x.shape[0], cfg.width),
+                cfg.dtype,
+            )
+            count = self.variable(
+                "cache",
+                "count",
+                nn.with_logical_partitioning(jnp.zeros, ("batch",)),
+                (x.shape[0],),
+                jnp.float32,
+            )
+            new_total, new_count, mixed = running_mean(x, segment_ids, total.value, count.value)
+            if exists:
+                total.value, count.value = new_total, new_count.astype(jnp.float32)
         h = nn.LayerNorm(
             dtype=cfg.dtype,
             scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
             name="norm",
-        )(causal_mean(x, segment_ids))
+        )(mixed)
         h = nn.Dense(
             cfg.hidden,
             dtype=cfg.dtype,
@@ -80,7 +117,12 @@ class LinenToy(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, train: bool = False
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        train: bool = False,
+        mode: str = "forward",
     ) -> jax.Array:
         del positions
         cfg = self.config
@@ -92,19 +134,19 @@ class LinenToy(nn.Module):
             embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")),
         )
         x = nn.Dropout(cfg.dropout)(embed(tokens), deterministic=not train)
-        block: Any = nn.remat(LinenBlock) if cfg.checkpointed else LinenBlock
+        block: Any = nn.remat(LinenBlock, static_argnums=(3,)) if cfg.checkpointed else LinenBlock
         if cfg.stacked:
             x, _ = nn.scan(
                 block,
-                variable_axes={"params": 0},
+                variable_axes={"params": 0, "cache": 0},
                 split_rngs={"params": True},
-                in_axes=nn.broadcast,
+                in_axes=(nn.broadcast, nn.broadcast),
                 length=cfg.depth,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="blocks")(x, segment_ids)
+            )(cfg, name="blocks")(x, segment_ids, mode)
         else:
             for i in range(cfg.depth):
-                x, _ = block(cfg, name=f"block_{i}")(x, segment_ids)
+                x, _ = block(cfg, name=f"block_{i}")(x, segment_ids, mode)
         return nn.Dense(
             cfg.vocab,
             dtype=cfg.dtype,
@@ -140,9 +182,29 @@ class NnxBlock(nnx.Module):
             kernel_init=nnx.with_partitioning(INIT, ("mlp", "embed")),
             bias_init=nnx.with_partitioning(nnx.initializers.zeros, ("embed",)),
         )
+        self.total: nnx.Cache | None = nnx.data(None)
+        self.count: nnx.Cache | None = nnx.data(None)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        return x + self.down(nnx.gelu(self.up(self.norm(causal_mean(x, segment_ids)))))
+    def init_cache(self, batch_size: int, stacked: int | None = None) -> None:
+        """An empty cache; with ``stacked`` layers, a leading axis named ``layers``."""
+        lead, names = ((stacked,), ("layers",)) if stacked else ((), ())
+        self.total = nnx.Cache(
+            jnp.zeros((*lead, batch_size, self.config.width), self.config.dtype),
+            out_sharding=(*names, "batch", "embed"),
+        )
+        self.count = nnx.Cache(
+            jnp.zeros((*lead, batch_size), jnp.float32), out_sharding=(*names, "batch")
+        )
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, mode: str = "forward") -> jax.Array:
+        if mode == "forward":
+            mixed = causal_mean(x, segment_ids)
+        else:
+            if self.total is None or self.count is None:
+                raise ValueError(f"mode {mode!r} needs a cache: call init_cache() first")
+            total, count, mixed = running_mean(x, segment_ids, self.total[...], self.count[...])
+            self.total[...], self.count[...] = total, count.astype(jnp.float32)
+        return x + self.down(nnx.gelu(self.up(self.norm(mixed))))
 
 
 class NnxToy(nnx.Module):
@@ -175,14 +237,27 @@ class NnxToy(nnx.Module):
             kernel_init=nnx.with_partitioning(INIT, ("embed", "vocab")),
         )
 
+    def init_cache(self, batch_size: int) -> None:
+        """An empty serving cache for ``batch_size`` rows in every block."""
+        if self.config.stacked:
+            self.blocks.init_cache(batch_size, stacked=self.config.depth)
+        else:
+            for block in self.blocks:
+                block.init_cache(batch_size)
+
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array, train: bool = False
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        train: bool = False,
+        mode: str = "forward",
     ) -> jax.Array:
         del positions
         x = self.dropout(self.embed(tokens), deterministic=not train)
 
         def apply(block: NnxBlock, x: jax.Array) -> jax.Array:
-            return block(x, segment_ids)
+            return block(x, segment_ids, mode)
 
         if self.config.checkpointed:
             apply = nnx.remat(apply)
