@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import nnx
@@ -98,7 +99,7 @@ def _arrays(tree: Any) -> list[jax.Array]:
     return [
         leaf
         for leaf in jax.tree.leaves(tree)
-        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jnp.inexact)
     ]
 
 
@@ -115,21 +116,22 @@ def record_linen(runner: LinenRunner, params: Flat, batch: Batch) -> Recorder:
     refuses any effect there. The transformed module's own call is recorded.
     """
     recorder = Recorder(mesh_of(params))
-    outer: list[Any] = []
-
-    def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-        output = next_fun(*args, **kwargs)
-        lifted = context.module.scope.trace_level != outer[0]
-        if not lifted and _traced_method(context.method_name, nn.Module):
-            path = "/".join(context.module.path)
-            recorder.trace(path, context.method_name, (args, kwargs), output)
-        return output
 
     def forward(tree: Any, batch: Batch) -> Any:
-        outer[:] = [tracers.current_trace()]
+        outer = tracers.current_trace()
+
+        def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+            output = next_fun(*args, **kwargs)
+            lifted = context.module.scope.trace_level != outer
+            if not lifted and _traced_method(context.method_name, nn.Module):
+                path = "/".join(context.module.path)
+                recorder.trace(path, context.method_name, (args, kwargs), output)
+            return output
+
         with nn.intercept_methods(interceptor):
             return runner.module.apply({"params": tree}, *model_inputs(batch))
 
+    # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
     jax.block_until_ready(jax.jit(forward)(runner.tree(params), batch))
     jax.effects_barrier()
     return recorder
@@ -138,13 +140,11 @@ def record_linen(runner: LinenRunner, params: Flat, batch: Batch) -> Recorder:
 @contextlib.contextmanager
 def _nnx_methods_recorded(model: nnx.Module, recorder: Recorder) -> Iterator[None]:
     """Wrap the recorded methods of every module class in ``model`` while tracing."""
+    classes = set()
     for path, module in nnx.iter_modules(model):
         object.__setattr__(module, _PATH_ATTR, join_path(path))
-    classes = {
-        type(module)
-        for _, module in nnx.iter_modules(model)
-        if not isinstance(module, nnx.List | nnx.Dict)
-    }
+        if not isinstance(module, nnx.List | nnx.Dict):
+            classes.add(type(module))
     originals = {
         (cls, name): (name in vars(cls), inspect.getattr_static(cls, name))
         for cls in classes
@@ -185,6 +185,7 @@ def record_nnx(runner: NnxRunner, params: Flat, batch: Batch) -> Recorder:
             return nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))[0]
 
     state, rest = runner.state(params), runner.rest(mesh_of(params))
+    # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
     jax.block_until_ready(jax.jit(forward)(state, rest, batch))
     jax.effects_barrier()
     return recorder
