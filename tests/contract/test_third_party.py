@@ -86,24 +86,25 @@ def test_every_skip_names_the_family_and_why(zoo_run):
     assert not vague
 
 
-def test_the_minimal_zoo_skips_exactly_what_it_does_not_declare(zoo_run):
-    _, junit, _ = zoo_run
-    minimal = {
+def checks_run(junit: ET.ElementTree, family: str) -> set[str]:
+    """The checks that ran (were not skipped) on ``family``, by name."""
+    return {
         c.get("name").split("[")[0].removeprefix("test_")
         for c in junit.iter("testcase")
-        if "[toy-minimal-" in c.get("name") and c.find("skipped") is None
+        if f"[{family}-" in c.get("name") and c.find("skipped") is None
     }
+
+
+def test_the_minimal_zoo_skips_exactly_what_it_does_not_declare(zoo_run):
+    _, junit, _ = zoo_run
+    minimal = checks_run(junit, "toy-minimal")
     assert {"structure", "sharding", "forward", "train_step", "hygiene"} <= minimal
     assert not minimal & {"dropout", "decode", "aqt_forward", "quant_forward"}
 
 
 def test_the_full_zoo_runs_what_it_declares(zoo_run):
     _, junit, _ = zoo_run
-    full = {
-        c.get("name").split("[")[0].removeprefix("test_")
-        for c in junit.iter("testcase")
-        if "[toy-full-" in c.get("name") and c.find("skipped") is None
-    }
+    full = checks_run(junit, "toy-full")
     declared = {"dropout", "layout", "decode_cache", "decode_consistency", "decode"}
     assert declared | {"quant_forward", "checkpoint_conversion"} <= full
 
