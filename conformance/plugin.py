@@ -648,6 +648,8 @@ class ScopePerGroup:
     families, meshes and layouts it covers. A group whose programs alone pass half of
     the kernel's mapping limit (``vm.max_map_count``) is released early, between two of
     its tests: its later tests recompile what they share, and the run does not crash.
+    Host results (:func:`~conformance.scope.kept`, such as one-device references) stay
+    while the family and layout stay, so each is computed once per family and layout.
     """
 
     def __init__(self) -> None:
@@ -666,12 +668,14 @@ class ScopePerGroup:
             group = group_of(item)
             mappings = scope.mapping_count() or 0
             self.peak = max(self.peak, mappings)
-            if group is not None and group != group_of(nextitem):
+            following = group_of(nextitem)
+            if group is not None and group != following:
                 self.releases += 1
-                scope.release()
+                same_layout = following is not None and following[:2] == group[:2]
+                scope.release(keep_results=same_layout)
             elif self.budget is not None and mappings > self.budget:
                 self.early += 1
-                scope.release()
+                scope.release(keep_results=True)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """How often programs were released and the peak memory-mapping count seen."""

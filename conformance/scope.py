@@ -12,6 +12,11 @@ and leaving the scope drops everything built in it and clears jax's own caches, 
 next programs reuse the freed memory. Within a scope, checks that run the same
 computation share one compiled program.
 
+Factories marked :func:`kept` return results on the host (numpy arrays, no compiled
+programs), for example a check's one-device reference. They are memoised apart, and
+``release(keep_results=True)`` frees the programs while keeping them, so a reference
+is computed once even when the programs that made it are released.
+
 The pytest plugin opens one scope per group of tests that can share programs (same
 family, layer layout and mesh). Library users open their own::
 
@@ -41,13 +46,25 @@ class Scope:
 
     def __init__(self) -> None:
         self._memo: dict[Hashable, Any] = {}
+        self._results: dict[Hashable, Any] = {}
         self._tokens: list[contextvars.Token[Scope]] = []
 
     def __len__(self) -> int:
         return len(self._memo)
 
-    def get[R](self, factory: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
-        """``factory(*args, **kwargs)``, built once in this scope for equal arguments."""
+    def get[R](
+        self,
+        factory: Callable[..., R],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        result: bool = False,
+    ) -> R:
+        """``factory(*args, **kwargs)``, built once in this scope for equal arguments.
+
+        With ``result``, the value holds no compiled program and survives
+        ``release(keep_results=True)``.
+        """
         key = (factory, args, tuple(sorted(kwargs.items())))
         try:
             hash(key)
@@ -57,17 +74,21 @@ class Scope:
                 f"hashable ({err}): a Family and its configs must be hashable, e.g. a frozen "
                 "dataclass"
             ) from None
-        if key not in self._memo:
-            self._memo[key] = factory(*args, **kwargs)
-        return self._memo[key]
+        memo = self._results if result else self._memo
+        if key not in memo:
+            memo[key] = factory(*args, **kwargs)
+        return memo[key]
 
-    def release(self) -> None:
+    def release(self, *, keep_results: bool = False) -> None:
         """Drop everything built in this scope and every executable jax caches.
 
         jax's caches are process-wide, so programs compiled outside this scope are
-        recompiled on their next call; nothing is lost but time.
+        recompiled on their next call; nothing is lost but time. With ``keep_results``,
+        the values of :func:`kept` factories stay.
         """
         self._memo.clear()
+        if not keep_results:
+            self._results.clear()
         jax.clear_caches()
         gc.collect()
 
@@ -96,9 +117,9 @@ def current() -> Scope:
     return _ACTIVE.get()
 
 
-def release() -> None:
+def release(*, keep_results: bool = False) -> None:
     """Release the innermost active scope: see :meth:`Scope.release`."""
-    current().release()
+    current().release(keep_results=keep_results)
 
 
 def mapping_count() -> int | None:
@@ -124,5 +145,18 @@ def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(factory)
     def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
         return current().get(factory, args, kwargs)
+
+    return memoised
+
+
+def kept[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
+    """Memoise ``factory``, whose results hold no compiled program, in the active scope.
+
+    Unlike :func:`scoped` values, they outlive ``release(keep_results=True)``.
+    """
+
+    @functools.wraps(factory)
+    def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
+        return current().get(factory, args, kwargs, result=True)
 
     return memoised

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from conformance.scope import Scope, mapping_count, scoped
+from conformance.scope import Scope, kept, mapping_count, scoped
 
 BUILT = []
 
@@ -26,6 +26,22 @@ def test_a_scope_memoises_until_it_is_left():
         assert thing("a") is first
     with Scope():
         assert thing("a") is not first
+
+
+@kept
+def result(name):
+    BUILT.append(name)
+    return object()
+
+
+def test_kept_results_outlive_a_release_that_keeps_them():
+    with Scope() as scope:
+        value, built = result("r"), thing("t")
+        scope.release(keep_results=True)
+        assert result("r") is value
+        assert thing("t") is not built
+        scope.release()
+        assert result("r") is not value
 
 
 @scoped
