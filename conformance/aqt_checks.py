@@ -57,6 +57,7 @@ def aqt_sides(family: Family, check: str, config: Any) -> tuple[LinenAqt, NnxAqt
 
 def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
     """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float."""
+    config = family.with_mesh(config, devices)
     check = "aqt_forward"
     train = family.aqt_config(config, "train")
     linen_params, nnx_params = float_params(family, check, config, mesh, devices)
@@ -76,6 +77,7 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
 
 def check_aqt_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
     """TRAIN-mode train steps agree across backends (loss, gradients, whole state)."""
+    config = family.with_mesh(config, devices)
     train = family.aqt_config(config, "train")
     check_train_step(family, train, mesh, devices, check="aqt_train_step")
 
@@ -158,6 +160,7 @@ def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     float policy across backends, and on each side the convert-mode logits equal the
     TRAIN-mode logits exactly (converting must not change what the model computes).
     """
+    config = family.with_mesh(config, devices)
     check = "aqt_convert"
     linen, nnx_, mapping = aqt_sides(family, check, config)
     train = family.aqt_config(config, "train")
@@ -194,6 +197,7 @@ def check_aqt_serve(
     come back exact, and the SERVE logits from the restored tree must equal the CONVERT
     logits exactly.
     """
+    config = family.with_mesh(config, devices)
     check = "aqt_serve"
     linen, nnx_, _ = aqt_sides(family, check, config)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)

@@ -25,7 +25,7 @@ from conformance.checks import (
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.sharding import MeshSpec
-from conformance.train_checks import Side, _advance, compare_steps, linen_and_nnx
+from conformance.train_checks import Side, advance, compare_steps, linen_and_nnx
 from conformance.training import flat_state, linen_trainer, nnx_trainer
 from conformance.trees import Flat, specs
 
@@ -36,7 +36,7 @@ def trained_sides(
     """Both backends' placed train states after one step, and the batch used."""
     linen, nnx_side, mapping = linen_and_nnx(family, config, mesh, devices, check=check)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    _advance(linen, nnx_side, mapping, batch)
+    advance(linen, nnx_side, mapping, batch)
     return {"linen": linen, "nnx": nnx_side}, batch
 
 
@@ -110,8 +110,10 @@ def check_checkpoint_conversion(
     """
     check = "checkpoint_conversion"
     target_backend = "nnx" if source.backend == "linen" else "linen"
-    src_config = family.config(source.size, scan_layers=source.scan_layers)
-    dst_config = family.config(source.size, scan_layers=scan_layers)
+    src_config, dst_config = (
+        family.with_mesh(family.config(source.size, scan_layers=scan), devices)
+        for scan in (source.scan_layers, scan_layers)
+    )
     sides, batch = trained_sides(family, check, src_config, mesh, devices)
     original = sides[source.backend]
     state = flat_state(original.state)

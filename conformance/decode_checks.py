@@ -64,6 +64,8 @@ def check_decode_cache(
     ``devices``, both empty caches are created on the mesh and checked to be placed
     with their specs. Returns the golden payload.
     """
+    if devices is not None:
+        config = family.with_mesh(config, devices)
     check = "decode_cache"
     linen, nnx_ = decoders(family, check, config)
     try:
@@ -108,6 +110,7 @@ class Served:
 @scoped
 def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tuple[Served, ...]:
     """Serve Linen's parameters on both backends; computed once per family, config and mesh."""
+    config = family.with_mesh(config, devices)
     check = "decode"
     linen_dec, nnx_dec = decoders(family, check, config)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)

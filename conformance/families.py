@@ -213,6 +213,19 @@ class Family(abc.ABC):
         del config
         return {}
 
+    def with_mesh(self, config: Any, mesh: jax.sharding.Mesh) -> Any:
+        """``config`` for modules that constrain their activations on ``mesh``.
+
+        ``mesh`` is the device mesh the harness places parameters and batches on: the
+        test's mesh, or one device for the one-device reference. A family whose modules
+        take a mesh (MaxText's build their own from the config) must use exactly this
+        one, so that a partitioned run and the one-device run differ only in placement.
+        The result must be hashable and compare unequal for different meshes. Identity
+        by default: modules that only annotate parameters need no mesh.
+        """
+        del mesh
+        return config
+
     def variant(self, config: Any, *, remat: bool = False, dropout: float = 0.0) -> Any:
         """``config`` rematerialised (``remat``) or with dropout at rate ``dropout``.
 

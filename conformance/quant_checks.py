@@ -122,6 +122,7 @@ def float_params(
     family: Family, check: str, config: Any, mesh: MeshSpec, devices: Mesh
 ) -> tuple[Flat, Flat]:
     """Linen's float parameters from its sharded init, and the same values on NNX's paths."""
+    config = family.with_mesh(config, devices)
     linen_float, nnx_float = linen_runner(family, config), nnx_runner(family, config)
     float_map = param_map(family, check, config)
     linen_sh = shardings_for(family, check, linen_float.logical, mesh, devices)
@@ -137,6 +138,7 @@ def quantized_params(
 
     NNX's float parameters are Linen's, transplanted; each side then quantizes its own.
     """
+    config = family.with_mesh(config, devices)
     check = "quant_forward"
     linen, nnx_, _ = quantized_runners(family, check, config, quant)
     linen_params, nnx_params = float_params(family, check, config, mesh, devices)
@@ -151,6 +153,7 @@ def check_quant_forward(
     For PTQ, the quantized parameters themselves must agree first: every ``qvalue``
     exactly, every ``scale`` under the float policy.
     """
+    config = family.with_mesh(config, devices)
     check, mode = "quant_forward", MODES[quant]
     linen, nnx_, mapping = quantized_runners(family, check, config, quant)
     linen_float, _, linen_q, nnx_q = quantized_params(family, config, mesh, devices, quant)
@@ -243,6 +246,7 @@ def check_quant_checkpoint(
     Every leaf (``qvalue`` bytes, scales, float leaves) must come back byte-exact with
     its dtype, and the restored model's forward must equal the saved model's exactly.
     """
+    config = family.with_mesh(config, devices)
     check = "quant_checkpoint"
     linen, nnx_, _ = quantized_runners(family, check, config, quant)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)

@@ -63,6 +63,9 @@ class MaxTextConfig:
     dtype: Any = jnp.float32
     quantization: str = ""
     """MaxText's ``quantization`` key for Qwix (``use_qwix_quantization``); empty for float."""
+    mesh: Any = None
+    """The device mesh (MaxText's axis names) the modules constrain activations on;
+    ``None``: the mesh MaxText builds from its config (every device on ``fsdp``)."""
 
     @classmethod
     def create(cls, model_name: str, overrides: Mapping[str, Any], **fields: Any) -> MaxTextConfig:
@@ -85,9 +88,14 @@ class MaxTextConfig:
         return keys
 
 
-@functools.cache
 def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
-    """MaxText's ``HyperParameters`` for ``config`` on ``backend`` (cached: pyconfig is slow)."""
+    """MaxText's ``HyperParameters`` for ``config`` on ``backend`` (its mesh aside)."""
+    return _initialize(dataclasses.replace(config, mesh=None), backend)
+
+
+@functools.cache
+def _initialize(config: MaxTextConfig, backend: str) -> Any:
+    """``pyconfig.initialize`` for ``config``, once per config: pyconfig is slow."""
     from maxtext.configs import pyconfig  # optional dependency
 
     output = os.path.join(tempfile.gettempdir(), "conformance-maxtext")

@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 
@@ -23,6 +25,7 @@ from conformance.families import (
     Batch,
     Capabilities,
     Family,
+    FamilyError,
     LogicalRules,
     PathRules,
     QuantScope,
@@ -109,6 +112,27 @@ class MaxTextFamily(Family):
         """Train with dropout enabled (applied only when the config's rate is nonzero)."""
         del config
         return {"deterministic": False}
+
+    def with_mesh(self, config: MaxTextConfig, mesh: jax.sharding.Mesh) -> MaxTextConfig:
+        """``config`` whose modules constrain activations on ``mesh``'s devices.
+
+        MaxText names its mesh axes itself (``mesh_axes``: data, stage, fsdp, tensor, ...);
+        the module mesh holds ``mesh``'s devices in the same arrangement, each of its
+        axes at its size and every other MaxText axis at size 1.
+        """
+        names = tuple(hyperparameters(config, "linen").mesh_axes)
+        foreign = [name for name in mesh.axis_names if name not in names]
+        if foreign:
+            raise FamilyError(
+                f"{self.name}: mesh axes {foreign} are not MaxText mesh axes ({', '.join(names)})"
+            )
+        order = sorted(range(len(mesh.axis_names)), key=lambda i: names.index(mesh.axis_names[i]))
+        shape = tuple(mesh.shape.get(name, 1) for name in names)
+        devices = np.transpose(mesh.devices, order).reshape(shape)
+        module_mesh = jax.sharding.Mesh(
+            devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names)
+        )
+        return dataclasses.replace(config, mesh=module_mesh)
 
     def variant(
         self, config: MaxTextConfig, *, remat: bool = False, dropout: float = 0.0

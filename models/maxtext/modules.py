@@ -21,8 +21,9 @@ from maxtext.utils import maxtext_utils
 from conformance_models.maxtext.config import MaxTextConfig, hyperparameters
 
 
-def _mesh_and_quant(hp: Any) -> tuple[jax.sharding.Mesh, Any]:
-    return maxtext_utils.get_mesh_from_config(hp), quantizations.configure_quantization(hp)
+def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
+    mesh = config.mesh if config.mesh is not None else maxtext_utils.get_mesh_from_config(hp)
+    return mesh, quantizations.configure_quantization(hp)
 
 
 class LinenTransformer(TransformerLinenPure):
@@ -73,12 +74,12 @@ class NnxTransformer(Transformer):
 def linen_transformer(config: MaxTextConfig) -> LinenTransformer:
     """The Linen side of ``config``, built as MaxText's ``from_config`` builds it."""
     hp = hyperparameters(config, "linen")
-    mesh, quant = _mesh_and_quant(hp)
+    mesh, quant = _mesh_and_quant(config, hp)
     return LinenTransformer(hp, mesh, quant)
 
 
 def nnx_transformer(config: MaxTextConfig, rngs: nnx.Rngs) -> NnxTransformer:
     """The NNX side of ``config``, built as MaxText's ``from_config`` builds it."""
     hp = hyperparameters(config, "nnx")
-    mesh, quant = _mesh_and_quant(hp)
+    mesh, quant = _mesh_and_quant(config, hp)
     return NnxTransformer(hp, mesh, quant, rngs=rngs)
