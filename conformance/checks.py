@@ -8,6 +8,7 @@ Every message starts with ``<family> <check>:`` and names leaf paths.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from conformance.attribution import attribution_text, one_device
 from conformance.backends import (
     LinenRunner,
     NnxRunner,
@@ -131,6 +133,8 @@ def check_sharding(
     checked to be placed with its resolved spec. Returns the golden payload.
     """
     check = "sharding"
+    if devices is not None:
+        config = family.with_mesh(config, devices)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
     linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
@@ -235,6 +239,7 @@ def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> No
     Values cannot agree (the backends draw random numbers differently); their
     distributions must. A leaf constant on one side must equal the other exactly.
     """
+    config = family.with_mesh(config, devices)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, "init", config)
     a = linen.init(0, shardings_for(family, "init", linen.logical, mesh, devices))
@@ -305,6 +310,7 @@ def check_forward(
     ``reference_config`` (the same model in a wider dtype), an element outside
     tolerance passes when NNX is no farther than Linen from the wider Linen result.
     """
+    config = family.with_mesh(config, devices)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, "forward", config)
     inverse = {v: k for k, v in mapping.items()}
@@ -333,12 +339,54 @@ def check_forward(
             )
             if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
                 where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
+            moved = attribution_text(
+                mesh,
+                ("Linen", "NNX"),
+                ({"logits": a.logits}, {"logits": b.logits}),
+                functools.partial(
+                    _one_device_logits, family, config, mesh, linen_params, nnx_params
+                ),
+            )
             fail(
                 family,
                 "forward",
                 report(f"{direction} on mesh {mesh.id}", [found], ("Linen", "NNX"))
-                + f"\n  {where}",
+                + f"\n  {where}\n  {moved}",
             )
+
+
+def one_device_setup(family: Family, config: Any, mesh: MeshSpec) -> tuple[Any, MeshSpec, Mesh]:
+    """``(config, mesh spec, device mesh)`` for the one-device counterpart of ``mesh``."""
+    one = one_device(mesh)
+    devices = one.devices()
+    return family.with_mesh(config, devices), one, devices
+
+
+def replace_on(
+    family: Family,
+    check: str,
+    flat: Flat,
+    logical: Mapping[str, Logical],
+    mesh: MeshSpec,
+    devices: Mesh,
+) -> Flat:
+    """``flat``'s arrays moved onto ``devices``, each with its leaf's resolved sharding."""
+    shardings = shardings_for(family, check, logical, mesh, devices)
+    return {path: jax.device_put(value, shardings[path]) for path, value in flat.items()}
+
+
+def _one_device_logits(
+    family: Family, config: Any, mesh: MeshSpec, linen_params: Flat, nnx_params: Flat
+) -> tuple[Flat, Flat]:
+    """Both sides' logits from the same parameters and batch on one device."""
+    config, one, devices = one_device_setup(family, config, mesh)
+    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), one, devices)
+    a = linen.forward(
+        replace_on(family, "forward", linen_params, linen.logical, one, devices), batch
+    )
+    b = nnx_.forward(replace_on(family, "forward", nnx_params, nnx_.logical, one, devices), batch)
+    return {"logits": a[0]}, {"logits": b[0]}
 
 
 def _moved(

@@ -7,25 +7,29 @@ that names the family, the check, the step and the leaf path.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from conformance.attribution import attribution_text
 from conformance.backends import transplant
 from conformance.checks import (
     BATCH_SIZE,
     fail,
     fail_if_any,
     misplaced,
+    one_device_setup,
     param_map,
     place_batch,
     resolve_all,
     shardings_for,
 )
 from conformance.families import Batch, Family
-from conformance.numerics import Mismatch, compare_arrays, compare_trees, report
+from conformance.numerics import compare_trees, report
 from conformance.sharding import MeshSpec, indivisible, spec_to_json
 from conformance.training import (
     LinenTrainer,
@@ -90,20 +94,27 @@ def linen_and_nnx(
     quant: str | None = None,
     *,
     check: str,
+    start: Flat | None = None,
 ) -> tuple[Side, Side, dict[str, str]]:
     """Both sides' placed initial train states, NNX holding Linen's parameters.
 
-    With ``quant`` (a QAT mode), both models are quantized. A failure while setting up
-    is reported under ``check``. Returns ``(linen, nnx, {Linen state path: NNX state
-    path})``.
+    The Linen parameters are ``start`` (Linen paths, placed on ``devices`` here) or,
+    by default, initialised from seed 0. With ``quant`` (a QAT mode), both models are
+    quantized. ``config`` is bound to ``devices`` (:meth:`Family.with_mesh`). A failure
+    while setting up is reported under ``check``. Returns ``(linen, nnx, {Linen state
+    path: NNX state path})``.
     """
+    config = family.with_mesh(config, devices)
     lt, nt = (
         linen_trainer(family, config, micro_batches, quant),
         nnx_trainer(family, config, micro_batches, quant),
     )
     mapping = param_map(family, check, config)
     linen_sh = shardings_for(family, check, lt.runner.logical, mesh, devices)
-    linen_params = lt.runner.init(0, linen_sh)
+    if start is None:
+        linen_params = lt.runner.init(0, linen_sh)
+    else:
+        linen_params = transplant(start, {}, lt.runner.specs, linen_sh)
     nnx_shardings = shardings_for(family, check, nt.runner.logical, mesh, devices)
     nnx_params = transplant(linen_params, mapping, nt.runner.specs, nnx_shardings)
     linen = _side(family, check, lt, linen_params, mesh, devices)
@@ -115,26 +126,64 @@ def _renamed(flat: Flat, mapping: dict[str, str]) -> Flat:
     return {mapping.get(path, path): value for path, value in flat.items()}
 
 
+StepResult = tuple[Flat, Any, Flat]
+"""One step's ``(state, loss, grads)``, keyed by NNX paths."""
+
+
+def step_tree(result: StepResult) -> Flat:
+    """A step's results as one flat tree: ``loss``, ``grads/<path>`` and ``state/<path>``."""
+    state, loss, grads = result
+    return {
+        "loss": loss,
+        **{f"grads/{path}": value for path, value in grads.items()},
+        **{f"state/{path}": value for path, value in state.items()},
+    }
+
+
 def compare_steps(
     family: Family,
     check: str,
     what: str,
-    first: tuple[Flat, Any, Flat],
-    second: tuple[Flat, Any, Flat],
+    first: StepResult,
+    second: StepResult,
     names: tuple[str, str] = ("Linen", "NNX"),
+    *,
+    mesh: MeshSpec | None = None,
+    reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
 ) -> None:
-    """Fail unless two steps' ``(state, loss, grads)`` agree leaf for leaf."""
-    (state_a, loss_a, grads_a), (state_b, loss_b, grads_b) = first, second
-    mismatches: list[Mismatch] = []
-    found = compare_arrays("loss", loss_a, loss_b)
-    if found is not None:
-        mismatches.append(found)
-    for label, a, b in (("grads", grads_a, grads_b), ("state", state_a, state_b)):
-        mismatches += [
-            dataclasses.replace(m, path=f"{label}/{m.path}") for m in compare_trees(a, b)
-        ]
-    if mismatches:
-        fail(family, check, report(what, mismatches, names))
+    """Fail unless two steps' ``(state, loss, grads)`` agree leaf for leaf.
+
+    With ``mesh`` and ``reference`` (the same two steps on one device, computed only on
+    failure), the report says which side computes differently when partitioned.
+    """
+    mismatches = compare_trees(step_tree(first), step_tree(second))
+    if not mismatches:
+        return
+    message = report(what, mismatches, names)
+    if mesh is not None and reference is not None:
+        pair = (step_tree(first), step_tree(second))
+        message += "\n  " + attribution_text(
+            mesh, names, pair, lambda: tuple(step_tree(r) for r in reference())
+        )
+    fail(family, check, message)
+
+
+def _train_steps(
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    quant: str | None,
+    check: str,
+    start: Flat | None = None,
+) -> tuple[Flat, list[tuple[StepResult, StepResult]]]:
+    """:data:`STEPS` steps of both sides from the same parameters: ``(start, results)``."""
+    linen, nnx_side, mapping = linen_and_nnx(
+        family, config, mesh, devices, quant=quant, check=check, start=start
+    )
+    start = params_of(flat_state(linen.state))
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    return start, [advance(linen, nnx_side, mapping, batch) for _ in range(STEPS)]
 
 
 def check_train_step(
@@ -150,47 +199,88 @@ def check_train_step(
     Compares per step the loss, every gradient, and the whole next state (parameters,
     Adam moments, optax counts and the step counter, which must equal the step number).
     With ``quant`` (a QAT mode), both sides train quantized models. Reports are headed
-    ``check``: by default ``train_step``, or ``qat_train_step`` with ``quant``.
+    ``check``: by default ``train_step``, or ``qat_train_step`` with ``quant``. A
+    failure also says whether each side agrees with its own steps on one device.
     """
     check = check or ("train_step" if quant is None else "qat_train_step")
-    linen, nnx_side, mapping = linen_and_nnx(
-        family, config, mesh, devices, quant=quant, check=check
-    )
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    start, steps = _train_steps(family, config, mesh, devices, quant, check)
+
+    @functools.cache
+    def reference() -> list[tuple[StepResult, StepResult]]:
+        _, one, one_devices = one_device_setup(family, config, mesh)
+        return _train_steps(family, config, one, one_devices, quant, check, start)[1]
+
     mode = "" if quant is None else f" ({quant})"
-    for step in range(1, STEPS + 1):
-        first, second = _advance(linen, nnx_side, mapping, batch)
+    for step, (first, second) in enumerate(steps, start=1):
         compare_steps(
-            family, check, f"step {step} of {STEPS}{mode} on mesh {mesh.id}", first, second
+            family,
+            check,
+            f"step {step} of {STEPS}{mode} on mesh {mesh.id}",
+            first,
+            second,
+            mesh=mesh,
+            reference=functools.partial(lambda i: reference()[i], step - 1),
         )
         counter = int(second[0]["optimizer/step"])
         if counter != step:
             fail(family, check, f"optimizer/step is {counter} after step {step}")
 
 
+def _accumulation(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, start: Flat | None = None
+) -> tuple[Flat, tuple[StepResult, StepResult], tuple[StepResult, StepResult]]:
+    """One step of both sides on the whole batch and on micro-batches: ``(start, whole, parts)``."""
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    check = "grad_accumulation"
+    linen, nnx_side, mapping = linen_and_nnx(
+        family, config, mesh, devices, check=check, start=start
+    )
+    start = params_of(flat_state(linen.state))
+    whole = advance(linen, nnx_side, mapping, batch)
+    split = linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES, check=check, start=start)
+    return start, whole, advance(*split, batch)
+
+
 def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
     """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
 
-    Holds on each backend, and across backends for the accumulated step.
+    Holds on each backend, and across backends for the accumulated step. A failure also
+    says whether each result agrees with the same step on one device.
     """
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    check = "grad_accumulation"
-    whole = _advance(*linen_and_nnx(family, config, mesh, devices, check=check), batch)
-    parts = _advance(
-        *linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES, check=check), batch
-    )
+    start, whole, parts = _accumulation(family, config, mesh, devices)
+
+    @functools.cache
+    def reference() -> tuple[Any, ...]:
+        _, one, one_devices = one_device_setup(family, config, mesh)
+        return _accumulation(family, config, one, one_devices, start)[1:]
+
     what = f"one step on mesh {mesh.id}"
     names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
     for i, side in enumerate(("Linen", "NNX")):
-        compare_steps(family, "grad_accumulation", f"{side} {what}", whole[i], parts[i], names)
+        compare_steps(
+            family,
+            "grad_accumulation",
+            f"{side} {what}",
+            whole[i],
+            parts[i],
+            names,
+            mesh=mesh,
+            reference=functools.partial(lambda i: tuple(r[i] for r in reference()), i),
+        )
     compare_steps(
-        family, "grad_accumulation", f"{MICRO_BATCHES} micro-batches, {what}", parts[0], parts[1]
+        family,
+        "grad_accumulation",
+        f"{MICRO_BATCHES} micro-batches, {what}",
+        parts[0],
+        parts[1],
+        mesh=mesh,
+        reference=lambda: reference()[1],
     )
 
 
-def _advance(
+def advance(
     linen: Side, nnx_side: Side, mapping: dict[str, str], batch: Batch
-) -> tuple[tuple[Flat, Any, Flat], tuple[Flat, Any, Flat]]:
+) -> tuple[StepResult, StepResult]:
     """Step both sides once (their states advance); ``(state, loss, grads)`` by NNX paths."""
     param_mapping = {
         k.removeprefix("model/"): v.removeprefix("model/")
@@ -209,7 +299,8 @@ def _advance(
     )
 
 
-def _params_of(state: Flat) -> Flat:
+def params_of(state: Flat) -> Flat:
+    """The model parameters of a flat train state, keyed by their parameter paths."""
     return {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
 
 
@@ -234,6 +325,41 @@ LAYOUT_VARIANTS = ("remat", "scan_layers")
 """Variants :func:`check_layout_invariance` compares with the plain layout."""
 
 
+def _layout_steps(
+    family: Family,
+    configs: tuple[Any, Any],
+    mesh: MeshSpec,
+    devices: Mesh,
+    variant: str,
+    side: str,
+    start: Flat | None = None,
+) -> tuple[Flat, tuple[StepResult, StepResult]]:
+    """One step of ``side`` in the plain and the varied config from the same parameters.
+
+    Returns ``(start, (plain, varied))``, the plain step converted to the varied layout;
+    ``start`` is the plain config's parameters (initialised from seed 0 by default).
+    """
+    config, changed = (family.with_mesh(c, devices) for c in configs)
+    trainer_of = linen_trainer if side == "Linen" else nnx_trainer
+    convert = _to_variant(family, config, changed, side, variant)
+    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
+    results = []
+    for cfg in (config, changed):
+        trainer = trainer_of(family, cfg)
+        param_sh = shardings_for(family, "layout", trainer.runner.logical, mesh, devices)
+        if start is None:
+            start = trainer.runner.init(0, param_sh)
+        params = start if cfg is config else convert(start)
+        params = transplant(params, {}, trainer.runner.specs, param_sh)
+        placed = _side(family, "layout", trainer, params, mesh, devices)
+        state, metrics = placed.step(placed.state, batch)
+        results.append(
+            (params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
+        )
+    (state_a, loss_a, grads_a), varied = results
+    return start, ((convert(state_a), loss_a, convert(grads_a)), varied)
+
+
 def check_layout_invariance(
     family: Family, size: str, mesh: MeshSpec, devices: Mesh, variant: str
 ) -> None:
@@ -244,6 +370,7 @@ def check_layout_invariance(
     On each backend, one step of each from the same parameters gives the same loss,
     gradients and next parameters; for ``scan_layers`` the plain layout's layers are
     stacked with the family's :meth:`~conformance.families.Family.layer_stack_rules`.
+    A failure also says whether each layout agrees with itself on one device.
     """
     if variant not in LAYOUT_VARIANTS:
         raise ValueError(f"unknown layout variant {variant!r}; use one of {LAYOUT_VARIANTS}")
@@ -252,33 +379,25 @@ def check_layout_invariance(
         changed = family.variant(config, remat=True)
     else:
         changed = family.config(size, scan_layers=True)
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    for side, trainer_of in (("Linen", linen_trainer), ("NNX", nnx_trainer)):
-        convert = _to_variant(family, config, changed, side, variant)
-        results = []
-        params = None
-        for cfg in (config, changed):
-            trainer = trainer_of(family, cfg)
-            param_sh = shardings_for(family, "layout", trainer.runner.logical, mesh, devices)
-            own = trainer.runner.init(0, param_sh)
-            params = (
-                own
-                if params is None
-                else transplant(convert(params), {}, trainer.runner.specs, param_sh)
-            )
-            placed = _side(family, "layout", trainer, params, mesh, devices)
-            state, metrics = placed.step(placed.state, batch)
-            results.append(
-                (_params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
-            )
-        (state_a, loss_a, grads_a), varied = results
+    for side in ("Linen", "NNX"):
+        start, (plain, varied) = _layout_steps(
+            family, (config, changed), mesh, devices, variant, side
+        )
+
+        def reference(side: str = side, start: Flat = start) -> tuple[StepResult, StepResult]:
+            _, one, one_devices = one_device_setup(family, config, mesh)
+            steps = _layout_steps(family, (config, changed), one, one_devices, variant, side, start)
+            return steps[1]
+
         compare_steps(
             family,
             "layout",
             f"{side} one step on mesh {mesh.id}",
-            (convert(state_a), loss_a, convert(grads_a)),
+            plain,
             varied,
             ("plain", variant),
+            mesh=mesh,
+            reference=reference,
         )
 
 
@@ -386,7 +505,7 @@ def check_dropout(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) ->
     losses, and dropout is really applied: the first training loss differs from the
     deterministic forward's.
     """
-    noisy = family.variant(config, dropout=DROPOUT_RATE)
+    noisy = family.variant(family.with_mesh(config, devices), dropout=DROPOUT_RATE)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     for side, trainer in (
         ("Linen", linen_trainer(family, noisy)),
