@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from aqt.jax.v2 import config as aqt_config
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.utils import flax_util as qwix_flax_util
 
@@ -26,6 +27,7 @@ from conformance.families import Family, QuantScope
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
 from conformance_models import nnx_layers
+from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
@@ -143,6 +145,58 @@ class SpecOnWrongAxis(Gpt3Family):
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)
         model.layers[0].mlp.wi.kernel.set_metadata(out_sharding=("mlp", "embed"))
+        return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _MeshedConfig(TransformerConfig):
+    """A built-in config that also carries the device mesh (``Family.with_mesh``)."""
+
+    mesh: Any = None
+
+
+class _RowParallelDownWrongAxis(llama_nnx.Mlp):
+    """A hand-written row-parallel down projection whose partial sums meet over "data"."""
+
+    mesh: Any
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+
+        def partial_products(h: jax.Array, kernel: jax.Array) -> jax.Array:
+            return jax.lax.psum(h @ kernel, "data")  # the fault: the sum belongs on "tensor"
+
+        return jax.shard_map(
+            partial_products,
+            mesh=self.mesh,
+            in_specs=(P(None, None, "tensor"), P("tensor", None)),
+            out_specs=P(),
+            check_vma=False,
+        )(hidden, self.down.kernel[...])
+
+
+class PsumOverWrongAxis(LlamaFamily):
+    """NNX block 0's MLP sums its row-parallel partial products over the wrong mesh axis.
+
+    On one device every axis has size 1 and the result is right; on ``data=2,fsdp=2,
+    tensor=2`` half of the products are dropped and the other half doubled. Only a
+    partitioned run shows it: the fault of ``sharding_invariance``, and the partitioning
+    problem that cross-backend reports must not blame on Linen or NNX.
+    """
+
+    def config(self, size, *, scan_layers, dtype=jnp.float32):
+        base = super().config(size, scan_layers=scan_layers, dtype=dtype)
+        return _MeshedConfig(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+
+    def with_mesh(self, config, mesh):
+        return dataclasses.replace(config, mesh=mesh)
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        if config.mesh is not None:
+            mlp = model.layers[0].mlp
+            mlp.__class__ = _RowParallelDownWrongAxis
+            mlp.mesh = config.mesh
         return model
 
 
@@ -405,6 +459,8 @@ class Fault:
     patch: tuple[Any, str, Any] | None = None
     layouts: tuple[bool, bool] = (False, False)
     quant: str | None = None
+    mesh_axes: tuple[str, ...] = ()
+    """Mesh axes the fault needs at size 2 or more to show (a partitioning fault)."""
 
     @property
     def id(self) -> str:
@@ -435,7 +491,11 @@ FAULTS = (
     Fault(
         NormEpsilon(),
         "forward",
-        ("logits:", "first divergent module: layers_0/attn_norm (NNX layers/0/attn_norm)"),
+        (
+            "logits:",
+            "first divergent module: layers_0/attn_norm (NNX layers/0/attn_norm)",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
     ),
     Fault(
         RopeBase(),
@@ -519,8 +579,35 @@ FAULTS = (
     Fault(
         Llama(),
         "train_step",
-        ("step 1 of 3", "loss:"),
+        (
+            "step 1 of 3",
+            "loss:",
+            "verdict: a Linen/NNX divergence: it shows on one device too, and partitioning "
+            "changes neither side",
+        ),
         patch=(NnxTrainer, "loss", staticmethod(unmasked_loss)),
+    ),
+    Fault(
+        PsumOverWrongAxis(),
+        "sharding_invariance",
+        (
+            "NNX on mesh data2-fsdp2-tensor2 against NNX on one device",
+            "grads/layers/0/mlp/down/kernel: ",
+            "NNX computes differently when partitioned on mesh data2-fsdp2-tensor2",
+        ),
+        mesh_axes=("data", "tensor"),
+    ),
+    Fault(
+        PsumOverWrongAxis(),
+        "train_step",
+        (
+            "grads/layers/0/mlp/down/kernel: ",
+            "Linen on mesh data2-fsdp2-tensor2 agrees with itself on one device; NNX on mesh "
+            "data2-fsdp2-tensor2 differs from itself on one device",
+            "verdict: a partitioning problem, not a Linen/NNX divergence: NNX computes "
+            "differently when partitioned on mesh data2-fsdp2-tensor2",
+        ),
+        mesh_axes=("data", "tensor"),
     ),
     Fault(
         Llama(),

@@ -27,6 +27,7 @@ from conformance.checks import (
     check_structure,
 )
 from conformance.decode_checks import check_decode, check_decode_cache, check_decode_consistency
+from conformance.invariance_checks import BACKENDS, check_sharding_invariance
 from conformance.quant_checks import (
     check_quant_checkpoint,
     check_quant_forward,
@@ -73,6 +74,9 @@ def run_check(fault: Fault, workdir: Path, mesh: MeshSpec) -> None:
             check_init(family, config, mesh, devices)
         case "forward":
             check_forward(family, config, mesh, devices)
+        case "sharding_invariance":
+            for backend in BACKENDS:
+                check_sharding_invariance(family, config, mesh, devices, backend)
         case "train_step":
             check_train_step(family, config, mesh, devices)
         case "grad_accumulation":
@@ -129,6 +133,8 @@ def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh):
     mesh, _ = primary_mesh
     if reason := tier.leaves_out(fault.family, _case(fault, mesh), "f32"):
         pytest.skip(f"not run: tier {tier.name} leaves out {fault.check} with {reason}")
+    if short := [a for a in fault.mesh_axes if mesh.sizes().get(a, 1) < 2]:
+        pytest.skip(f"not run: the fault shows only with mesh axes {short} of size 2 or more")
     if fault.patch is not None:
         monkeypatch.setattr(*fault.patch)
     with pytest.raises(CheckFailure) as caught:
