@@ -88,15 +88,29 @@ class MaxTextConfig:
         return keys
 
 
+_ICI_NAMES: Mapping[str, str] = {"stage": "pipeline"}
+"""Mesh axes whose ``ici_<name>_parallelism`` key is named differently."""
+
+
 def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
-    """MaxText's ``HyperParameters`` for ``config`` on ``backend`` (its mesh aside)."""
-    return _initialize(dataclasses.replace(config, mesh=None), backend)
+    """MaxText's ``HyperParameters`` for ``config`` on ``backend``.
+
+    With a mesh, MaxText's ``ici_<axis>_parallelism`` keys are its axis sizes: MaxText's
+    layers read them (the MoE layer's expert and tensor splits), not only the mesh.
+    """
+    parallelism = () if config.mesh is None else tuple(config.mesh.shape.items())
+    return _initialize(dataclasses.replace(config, mesh=None), backend, parallelism)
 
 
 @functools.cache
-def _initialize(config: MaxTextConfig, backend: str) -> Any:
-    """``pyconfig.initialize`` for ``config``, once per config: pyconfig is slow."""
+def _initialize(
+    config: MaxTextConfig, backend: str, parallelism: tuple[tuple[str, int], ...]
+) -> Any:
+    """``pyconfig.initialize`` once per config and mesh shape: pyconfig is slow."""
     from maxtext.configs import pyconfig  # optional dependency
 
     output = os.path.join(tempfile.gettempdir(), "conformance-maxtext")
-    return pyconfig.initialize([""], base_output_directory=output, **config.keys(backend))
+    keys = config.keys(backend) | {
+        f"ici_{_ICI_NAMES.get(axis, axis)}_parallelism": n for axis, n in parallelism
+    }
+    return pyconfig.initialize([""], base_output_directory=output, **keys)

@@ -229,6 +229,11 @@ class MaxTextDeepseek3(MaxTextFamily):
             "qk_nope_head_dim": 16,
             "qk_rope_head_dim": 8,
             "v_head_dim": 16,
+            # The sparse (ragged-dot) MoE path does not trace on a mesh with tensor
+            # parallelism in maxtext 0.2.4: the routed experts' output keeps the
+            # tensor-split embedding (1, 16, 32) while the shared expert's is whole
+            # (1, 16, 64). The dense path runs on every mesh.
+            "sparse_matmul": False,
         }
     )
     capabilities = dataclasses.replace(MaxTextFamily.capabilities, moe=True)
