@@ -135,8 +135,11 @@ class Attribution:
 
 def attribute(mesh: MeshSpec, names: tuple[str, str], on_mesh: Pair, on_one: Pair) -> Attribution:
     """Compare each side of ``on_mesh`` with its one-device result, and those two."""
-    moved = tuple(tuple(compare_runs(on_one[i], on_mesh[i])) for i in range(2))
-    return Attribution(mesh.id, names, moved, tuple(compare_runs(*on_one)))  # type: ignore[arg-type]
+    moved = (
+        tuple(compare_runs(on_one[0], on_mesh[0])),
+        tuple(compare_runs(on_one[1], on_mesh[1])),
+    )
+    return Attribution(mesh.id, names, moved, tuple(compare_runs(*on_one)))
 
 
 def attribution_text(

@@ -355,37 +355,19 @@ def check_forward(
             )
 
 
-def one_device_setup(family: Family, config: Any, mesh: MeshSpec) -> tuple[Any, MeshSpec, Mesh]:
-    """``(config, mesh spec, device mesh)`` for the one-device counterpart of ``mesh``."""
-    one = one_device(mesh)
-    devices = one.devices()
-    return family.with_mesh(config, devices), one, devices
-
-
-def replace_on(
-    family: Family,
-    check: str,
-    flat: Flat,
-    logical: Mapping[str, Logical],
-    mesh: MeshSpec,
-    devices: Mesh,
-) -> Flat:
-    """``flat``'s arrays moved onto ``devices``, each with its leaf's resolved sharding."""
-    shardings = shardings_for(family, check, logical, mesh, devices)
-    return {path: jax.device_put(value, shardings[path]) for path, value in flat.items()}
-
-
 def _one_device_logits(
     family: Family, config: Any, mesh: MeshSpec, linen_params: Flat, nnx_params: Flat
 ) -> tuple[Flat, Flat]:
     """Both sides' logits from the same parameters and batch on one device."""
-    config, one, devices = one_device_setup(family, config, mesh)
+    one = one_device(mesh)
+    devices = one.devices()
+    config = family.with_mesh(config, devices)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     batch = place_batch(family, family.batch(config, BATCH_SIZE), one, devices)
-    a = linen.forward(
-        replace_on(family, "forward", linen_params, linen.logical, one, devices), batch
-    )
-    b = nnx_.forward(replace_on(family, "forward", nnx_params, nnx_.logical, one, devices), batch)
+    linen_sh = shardings_for(family, "forward", linen.logical, one, devices)
+    nnx_sh = shardings_for(family, "forward", nnx_.logical, one, devices)
+    a = linen.forward(_moved(family, linen_params, {}, linen, linen_sh), batch)
+    b = nnx_.forward(_moved(family, nnx_params, {}, nnx_, nnx_sh), batch)
     return {"logits": a[0]}, {"logits": b[0]}
 
 

@@ -15,14 +15,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from conformance.attribution import attribution_text
+from conformance.attribution import attribution_text, one_device
 from conformance.backends import transplant
 from conformance.checks import (
     BATCH_SIZE,
     fail,
     fail_if_any,
     misplaced,
-    one_device_setup,
     param_map,
     place_batch,
     resolve_all,
@@ -156,12 +155,12 @@ def compare_steps(
     With ``mesh`` and ``reference`` (the same two steps on one device, computed only on
     failure), the report says which side computes differently when partitioned.
     """
-    mismatches = compare_trees(step_tree(first), step_tree(second))
+    pair = (step_tree(first), step_tree(second))
+    mismatches = compare_trees(*pair)
     if not mismatches:
         return
     message = report(what, mismatches, names)
     if mesh is not None and reference is not None:
-        pair = (step_tree(first), step_tree(second))
         message += "\n  " + attribution_text(
             mesh, names, pair, lambda: tuple(step_tree(r) for r in reference())
         )
@@ -207,8 +206,8 @@ def check_train_step(
 
     @functools.cache
     def reference() -> list[tuple[StepResult, StepResult]]:
-        _, one, one_devices = one_device_setup(family, config, mesh)
-        return _train_steps(family, config, one, one_devices, quant, check, start)[1]
+        one = one_device(mesh)
+        return _train_steps(family, config, one, one.devices(), quant, check, start)[1]
 
     mode = "" if quant is None else f" ({quant})"
     for step, (first, second) in enumerate(steps, start=1):
@@ -251,8 +250,8 @@ def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices
 
     @functools.cache
     def reference() -> tuple[Any, ...]:
-        _, one, one_devices = one_device_setup(family, config, mesh)
-        return _accumulation(family, config, one, one_devices, start)[1:]
+        one = one_device(mesh)
+        return _accumulation(family, config, one, one.devices(), start)[1:]
 
     what = f"one step on mesh {mesh.id}"
     names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
@@ -385,8 +384,10 @@ def check_layout_invariance(
         )
 
         def reference(side: str = side, start: Flat = start) -> tuple[StepResult, StepResult]:
-            _, one, one_devices = one_device_setup(family, config, mesh)
-            steps = _layout_steps(family, (config, changed), one, one_devices, variant, side, start)
+            one = one_device(mesh)
+            steps = _layout_steps(
+                family, (config, changed), one, one.devices(), variant, side, start
+            )
             return steps[1]
 
         compare_steps(
