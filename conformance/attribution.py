@@ -79,6 +79,13 @@ def _worst(mismatches: Sequence[Mismatch]) -> str:
     return f"{len(mismatches)} leaf(s), worst {worst.path} by {worst.max_abs:.3e}"
 
 
+_QUANTIZED_MOVE = (
+    "a quantized computation moves when partitioned without a partitioning problem: "
+    "partitioning reorders float sums, and a rounding-level change moves values across "
+    "quantization steps"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Attribution:
     """Each side on a mesh against itself on one device, and the two on one device."""
@@ -89,10 +96,15 @@ class Attribution:
     """Per side: where its mesh result differs from its own one-device result."""
     apart: tuple[Mismatch, ...]
     """Where the two sides differ from each other on one device."""
+    quantized: bool = False
+    """The computation rounds to a quantization grid: a side's move on the mesh is
+    expected (a rounding-level change crosses grid steps), so only ``apart`` decides."""
 
     @property
     def movers(self) -> list[str]:
-        """The sides whose results change when partitioned on the mesh."""
+        """The sides whose results change when partitioned on the mesh (none if quantized)."""
+        if self.quantized:
+            return []
         return [name for name, found in zip(self.names, self.moved, strict=True) if found]
 
     def describe(self) -> str:
@@ -108,49 +120,72 @@ class Attribution:
             lines.append(f"{name} on mesh {self.mesh} {state}")
         together = f"differ ({_worst(self.apart)})" if self.apart else "agree"
         lines.append(f"on one device, {a} and {b} {together}")
+        note = f"\n  {_QUANTIZED_MOVE}" if self.quantized and any(self.moved) else ""
+        verdict = f"\n  verdict: {self._verdict()}"
+        return "sharding attribution: " + "; ".join(lines) + note + verdict
+
+    def _verdict(self) -> str:
+        a, b = self.names
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
-        if not self.apart and movers:
-            verdict = (
-                f"a partitioning problem, not a {a}/{b} divergence: {movers} {verb} "
-                f"differently when partitioned on mesh {self.mesh}"
+        if self.apart and self.quantized:
+            return f"a {a}/{b} divergence: it shows on one device too"
+        if self.apart and not movers:
+            return (
+                f"a {a}/{b} divergence: it shows on one device too, and partitioning changes "
+                "neither side"
             )
-        elif self.apart and not movers:
-            verdict = (
-                f"a {a}/{b} divergence: it shows on one device too, and partitioning "
-                "changes neither side"
-            )
-        elif self.apart:
-            verdict = (
+        if self.apart:
+            return (
                 f"a {a}/{b} divergence (it shows on one device too); partitioning on mesh "
                 f"{self.mesh} also changes {movers}"
             )
-        else:
-            verdict = (
-                "each side is within tolerance of its one-device result and the two agree "
-                f"on one device: the gap on mesh {self.mesh} is rounding at the tolerance's edge"
+        if self.quantized:
+            return (
+                f"a partitioning problem, not a {a}/{b} divergence: the two agree on one "
+                f"device and differ only when partitioned on mesh {self.mesh}, where their "
+                "programs round differently and quantization turns that into whole steps"
             )
-        return "sharding attribution: " + "; ".join(lines) + f"\n  verdict: {verdict}"
+        if movers:
+            return (
+                f"a partitioning problem, not a {a}/{b} divergence: {movers} {verb} "
+                f"differently when partitioned on mesh {self.mesh}"
+            )
+        return (
+            "each side is within tolerance of its one-device result and the two agree "
+            f"on one device: the gap on mesh {self.mesh} is rounding at the tolerance's edge"
+        )
 
 
-def attribute(mesh: MeshSpec, names: tuple[str, str], on_mesh: Pair, on_one: Pair) -> Attribution:
-    """Compare each side of ``on_mesh`` with its one-device result, and those two."""
+def attribute(
+    mesh: MeshSpec, names: tuple[str, str], on_mesh: Pair, on_one: Pair, *, quantized: bool = False
+) -> Attribution:
+    """Compare each side of ``on_mesh`` with its one-device result, and those two.
+
+    ``quantized``: the results come through a quantization grid (see
+    :attr:`Attribution.quantized`).
+    """
     moved = (
         tuple(compare_runs(on_one[0], on_mesh[0])),
         tuple(compare_runs(on_one[1], on_mesh[1])),
     )
-    return Attribution(mesh.id, names, moved, tuple(compare_runs(*on_one)))
+    return Attribution(mesh.id, names, moved, tuple(compare_runs(*on_one)), quantized)
 
 
 def attribution_text(
-    mesh: MeshSpec, names: tuple[str, str], on_mesh: Pair, reference: Callable[[], Pair]
+    mesh: MeshSpec,
+    names: tuple[str, str],
+    on_mesh: Pair,
+    reference: Callable[[], Pair],
+    *,
+    quantized: bool = False,
 ) -> str:
     """:meth:`Attribution.describe` for ``on_mesh``, its one-device pair from ``reference``.
 
     Never raises: if the one-device run fails, the text says why instead.
     """
     try:
-        return attribute(mesh, names, on_mesh, reference()).describe()
+        return attribute(mesh, names, on_mesh, reference(), quantized=quantized).describe()
     except Exception as err:
         failure = f"{type(err).__name__}: {err}"
         return f"sharding attribution unavailable: the one-device run failed ({failure})"

@@ -61,3 +61,17 @@ def test_a_failing_one_device_run_is_reported_not_raised():
     assert text == (
         "sharding attribution unavailable: the one-device run failed (RuntimeError: no device)"
     )
+
+
+@pytest.mark.parametrize(
+    ("on_one", "verdict"),
+    [
+        ((OFF, OFF), "the two agree on one device and differ only when partitioned"),
+        ((OFF, GOOD), "verdict: a Linen/NNX divergence: it shows on one device too"),
+    ],
+)
+def test_a_quantized_side_may_move_and_only_the_one_device_gap_decides(on_one, verdict):
+    text = attribute(MESH, ("Linen", "NNX"), (GOOD, OFF), on_one, quantized=True).describe()
+    assert "Linen on mesh data2-fsdp2-tensor2 differs from itself on one device" in text
+    assert "moves values across quantization steps" in text
+    assert verdict in text, text
