@@ -25,6 +25,7 @@ from conformance.checks import (
     agreed_specs,
     fail,
     fail_if_any,
+    forward_attribution,
     leaf_table,
     param_map,
     place_batch,
@@ -69,7 +70,15 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     found = compare_arrays("logits", linen_logits, nnx_logits)
     if found is not None:
         title = f"AQT int8 TRAIN forward on mesh {mesh.id} (index: batch, position, vocab)"
-        fail(family, check, report(title, [found], ("Linen", "NNX")))
+        moved = forward_attribution(
+            family,
+            train,
+            mesh,
+            (linen_logits, nnx_logits),
+            (linen_params, nnx_params),
+            quantized=True,
+        )
+        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} AQT int8 TRAIN on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, AQT_MAX_ERROR)

@@ -8,7 +8,6 @@ Every message starts with ``<family> <check>:`` and names leaf paths.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -339,13 +338,8 @@ def check_forward(
             )
             if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
                 where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
-            moved = attribution_text(
-                mesh,
-                ("Linen", "NNX"),
-                ({"logits": a.logits}, {"logits": b.logits}),
-                functools.partial(
-                    _one_device_logits, family, config, mesh, linen_params, nnx_params
-                ),
+            moved = forward_attribution(
+                family, config, mesh, (a.logits, b.logits), (linen_params, nnx_params)
             )
             fail(
                 family,
@@ -355,20 +349,48 @@ def check_forward(
             )
 
 
-def _one_device_logits(
-    family: Family, config: Any, mesh: MeshSpec, linen_params: Flat, nnx_params: Flat
-) -> tuple[Flat, Flat]:
-    """Both sides' logits from the same parameters and batch on one device."""
-    one = one_device(mesh)
-    devices = one.devices()
-    config = family.with_mesh(config, devices)
-    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), one, devices)
-    linen_sh = shardings_for(family, "forward", linen.logical, one, devices)
-    nnx_sh = shardings_for(family, "forward", nnx_.logical, one, devices)
-    a = linen.forward(_moved(family, linen_params, {}, linen, linen_sh), batch)
-    b = nnx_.forward(_moved(family, nnx_params, {}, nnx_, nnx_sh), batch)
-    return {"logits": a[0]}, {"logits": b[0]}
+def forward_attribution(
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    logits: tuple[Any, Any],
+    params: tuple[Flat, Flat],
+    quant: str | None = None,
+    *,
+    quantized: bool = False,
+) -> str:
+    """Which side's ``logits`` on ``mesh`` move when the forward runs on one device.
+
+    ``logits`` are Linen's and NNX's from ``params`` (each side's own, for the Qwix
+    mode ``quant`` when given); both forwards are rerun from the same parameters and
+    batch on :func:`~conformance.attribution.one_device`, so call it only on a failure.
+    ``quantized`` (implied by ``quant``): the forward rounds to a quantization grid.
+    Never raises (:func:`~conformance.attribution.attribution_text`).
+    """
+
+    def on_one_device() -> tuple[Flat, Flat]:
+        one = one_device(mesh)
+        devices = one.devices()
+        bound = family.with_mesh(config, devices)
+        batch = place_batch(family, family.batch(bound, BATCH_SIZE), one, devices)
+        results = []
+        for runner, side_params in zip(
+            (linen_runner(family, bound, quant), nnx_runner(family, bound, quant)),
+            params,
+            strict=True,
+        ):
+            shardings = shardings_for(family, "forward", runner.logical, one, devices)
+            moved = transplant(side_params, {}, runner.specs, shardings)
+            results.append({"logits": runner.forward(moved, batch)[0]})
+        return results[0], results[1]
+
+    return attribution_text(
+        mesh,
+        ("Linen", "NNX"),
+        ({"logits": logits[0]}, {"logits": logits[1]}),
+        on_one_device,
+        quantized=quantized or quant is not None,
+    )
 
 
 def _moved(

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from conformance.attribution import attribution_text, one_device
 from conformance.backends import linen_runner, nnx_runner, transplant
 from conformance.checks import (
     BATCH_SIZE,
@@ -41,7 +42,7 @@ from conformance.families import Family
 from conformance.numerics import Mismatch, compare_arrays, compare_trees, report, tolerance_for
 from conformance.scope import scoped
 from conformance.sharding import MeshSpec, spec_to_json
-from conformance.trees import PathMapError, map_paths, structure_diff
+from conformance.trees import Flat, PathMapError, map_paths, structure_diff
 
 DECODE_STEPS = 8
 """Greedy decode steps after prefill; with the prefill's token, 9 generated tokens."""
@@ -102,6 +103,8 @@ class Served:
     """One side's generation and its own full forward over what it generated."""
 
     side: str
+    params: Flat
+    """The parameters it served (Linen's init; on NNX, transplanted), on the mesh."""
     generation: Generation
     forward_logits: np.ndarray
     """``[rows, sequence length, vocab]``: the plain forward on ``generation.sequence``."""
@@ -110,12 +113,24 @@ class Served:
 @scoped
 def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tuple[Served, ...]:
     """Serve Linen's parameters on both backends; computed once per family, config and mesh."""
+    return _serve(family, config, mesh, devices, None)
+
+
+def _serve(
+    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, start: Flat | None
+) -> tuple[Served, ...]:
+    """Both sides served from Linen's init, or from Linen parameters ``start`` when given."""
     config = family.with_mesh(config, devices)
     check = "decode"
     linen_dec, nnx_dec = decoders(family, check, config)
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
-    linen_params = linen.init(0, shardings_for(family, check, linen.logical, mesh, devices))
+    linen_shardings = shardings_for(family, check, linen.logical, mesh, devices)
+    linen_params = (
+        linen.init(0, linen_shardings)
+        if start is None
+        else transplant(start, {}, linen.specs, linen_shardings)
+    )
     nnx_shardings = shardings_for(family, check, nnx_.logical, mesh, devices)
     nnx_params = transplant(linen_params, mapping, nnx_.specs, nnx_shardings)
     prompt, lengths = prompt_batch(family, config, BATCH_SIZE, DECODE_STEPS)
@@ -134,8 +149,29 @@ def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tu
         )
         sequence = place(generation.sequence(family.sequence_length(config)))
         forward_logits = np.asarray(runner.forward(params, sequence)[0])
-        served.append(Served(side, generation, forward_logits))
+        served.append(Served(side, params, generation, forward_logits))
     return tuple(served)
+
+
+def _stages(generation: Generation, upto: int) -> Flat:
+    """The logits of prefill (real prompt positions only) and of decode steps before ``upto``."""
+    stages = {"prefill/logits": _prompt_only(generation.prefill_logits, generation.lengths)}
+    stages |= {f"decode step {step}/logits": generation.step_logits[step] for step in range(upto)}
+    return stages
+
+
+def _decode_attribution(
+    family: Family, config: Any, mesh: MeshSpec, served: tuple[Served, ...], upto: int
+) -> str:
+    """Which side's prefill and first ``upto`` decode steps move when served on one device."""
+
+    def on_one_device() -> tuple[Flat, Flat]:
+        one = one_device(mesh)
+        again = _serve(family, config, one, one.devices(), served[0].params)
+        return _stages(again[0].generation, upto), _stages(again[1].generation, upto)
+
+    on_mesh = (_stages(served[0].generation, upto), _stages(served[1].generation, upto))
+    return attribution_text(mesh, ("Linen", "NNX"), on_mesh, on_one_device)
 
 
 def _prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -200,7 +236,8 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
     different sequences, so later stages are not comparable.
     """
     check = "decode"
-    linen, nnx_ = (s.generation for s in serve_both(family, config, mesh, devices))
+    served = serve_both(family, config, mesh, devices)
+    linen, nnx_ = (s.generation for s in served)
     cache_map = map_paths(family.path_rules(config), linen.caches[0])
     tol = tolerance_for(linen.prefill_logits.dtype)
     names = ("Linen", "NNX")
@@ -213,14 +250,16 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
     if found is not None:
         title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
         where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol)
-        fail(family, check, report(title, [found], names) + where)
+        moved = _decode_attribution(family, config, mesh, served, 0)
+        fail(family, check, report(title, [found], names) + where + f"\n  {moved}")
     _check_tokens(family, linen, nnx_, 0, "prefill")
     for step in range(DECODE_STEPS):
         found = compare_arrays("logits", linen.step_logits[step], nnx_.step_logits[step], tol)
         if found is not None:
             title = f"{_step_title(found, linen.lengths, step)} on mesh {mesh.id}"
             where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol)
-            fail(family, check, report(title, [found], names) + where)
+            moved = _decode_attribution(family, config, mesh, served, step + 1)
+            fail(family, check, report(title, [found], names) + where + f"\n  {moved}")
         _check_tokens(family, linen, nnx_, step + 1, f"decode step {step}")
 
 

@@ -25,6 +25,7 @@ from conformance.checks import (
     agreed_specs,
     fail,
     fail_if_any,
+    forward_attribution,
     leaf_table,
     param_map,
     place_batch,
@@ -170,7 +171,10 @@ def check_quant_forward(
     found = compare_arrays("logits", linen_logits, nnx_logits)
     if found is not None:
         title = f"{quant} forward on mesh {mesh.id} (index: batch, position, vocab)"
-        fail(family, check, report(title, [found], ("Linen", "NNX")))
+        moved = forward_attribution(
+            family, config, mesh, (linen_logits, nnx_logits), (linen_q, nnx_q), quant
+        )
+        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} {quant} on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, mode.max_error)

@@ -373,6 +373,17 @@ class RuleForLinenPathsOnly(Gpt3Family):
         return QuantScope(module_path=r"layers_\d+/.*")
 
 
+class QuantizesOnlyFirstNnxBlock(Gpt3Family):
+    """The quantization rule matches every Linen block but only NNX block 0.
+
+    No rule is a no-op on either side, so only the quantized forwards can tell.
+    """
+
+    def quantization_scope(self, config):
+        del config
+        return QuantScope(module_path=r"(layers_\d+|layers/0)/.*")
+
+
 _how_to_quantize = qwix_dot_general.get_how_to_quantize
 
 
@@ -662,6 +673,7 @@ FAULTS = (
             "logits:",
             "the caches first differ after prefill",
             "layers/0/attn/kv_cache/key:",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
         ),
         patch=(nnx_layers.KVCache, "__call__", _never_writes_cache),
     ),
@@ -699,6 +711,16 @@ FAULTS = (
         quant="qat_int8",
     ),
     Fault(
+        QuantizesOnlyFirstNnxBlock(),
+        "quant_forward",
+        (
+            "qat_int8 forward on mesh",
+            "logits:",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
+        quant="qat_int8",
+    ),
+    Fault(
         Gpt3(),
         "quant_params",
         (
@@ -731,7 +753,11 @@ FAULTS = (
     Fault(
         AqtDropped(),
         "aqt_forward",
-        ("AQT int8 TRAIN forward on mesh", "logits"),
+        (
+            "AQT int8 TRAIN forward on mesh",
+            "logits",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
     ),
     Fault(
         AqtFloatBackward(),
