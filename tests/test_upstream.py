@@ -39,3 +39,25 @@ def test_gather_gradient_over_sliced_sharded_batch():
 
     expected = jax.grad(loss)(np.asarray(table), np.asarray(index), weights)
     np.testing.assert_allclose(jax.jit(accumulated)(table, index, weights), expected, atol=1e-4)
+
+
+@pytest.mark.xfail(
+    jax.default_backend() == "cpu",
+    strict=True,
+    reason="XLA SPMD on CPU (jaxlib 0.12.0.1), Shardy and GSPMD alike: on a 2x2x2 mesh, a "
+    "matmul whose kernel is split ('tensor', 'fsdp') and whose output is constrained to "
+    "(('data', 'fsdp'), 'tensor') computes wrong values. maxtext-gemma2 and maxtext-deepseek3 "
+    "(norm scales split over 'tensor') likewise compute differently on data2-fsdp2-tensor2 "
+    "than on one device, and agree with it once their norm scales are split over 'fsdp'",
+)
+def test_matmul_into_a_batch_split_over_two_axes():
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    identity = jax.device_put(np.eye(8, dtype=np.float32), NamedSharding(mesh, P("tensor", "fsdp")))
+    out = NamedSharding(mesh, P(("data", "fsdp"), "tensor"))
+
+    @jax.jit
+    def matmul(x, w):
+        return jax.lax.with_sharding_constraint(x @ w, out)
+
+    np.testing.assert_allclose(matmul(x, identity), x)
