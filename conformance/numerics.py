@@ -60,10 +60,23 @@ class Mismatch:
     zeros: int = 0
     """Differing elements where the second side is exactly 0: they have no relative
     error, so ``max_rel`` is over the others only (NaN if there are none)."""
+    missing_on: int | None = None
+    """0 or 1 when the leaf exists on the other side only; no values were compared."""
+    shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """Both sides' shapes when they differ; no values were compared."""
 
     def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
-        """One paragraph: the leaf, the worst index, both values, the errors and tolerance."""
+        """One paragraph: the leaf, the worst index, both values, the errors and tolerance.
+
+        A leaf present on one side only, or of different shapes, is one line saying so.
+        """
         a, b = names
+        if self.missing_on is not None:
+            absent, present = (a, b) if self.missing_on == 0 else (b, a)
+            return f"{self.path}: {present} has this leaf, {absent} does not"
+        if self.shapes is not None:
+            first, second = (list(shape) for shape in self.shapes)
+            return f"{self.path}: shape {first} on {a}, {second} on {b}"
         head = f"{self.path}: {self.count} of {self.size} elements differ"
         if self.reason:
             head += f" ({self.reason})"
@@ -108,7 +121,7 @@ def compare_arrays(
             np.inf,
             np.inf,
             tol,
-            f"shape {list(a.shape)} != {list(b.shape)}",
+            shapes=(a.shape, b.shape),
         )
     a64, b64 = _as_f64(a), _as_f64(b)
     finite = np.isfinite(a64) & np.isfinite(b64)
@@ -159,7 +172,6 @@ def compare_trees(
     mismatches = []
     for path in sorted(set(first) | set(second)):
         if path not in first or path not in second:
-            side = "second" if path not in second else "first"
             mismatches.append(
                 Mismatch(
                     path,
@@ -171,7 +183,7 @@ def compare_trees(
                     np.inf,
                     np.inf,
                     tolerance or EXACT,
-                    f"missing on the {side} side",
+                    missing_on=int(path not in second),
                 )
             )
             continue

@@ -69,13 +69,13 @@ def test_reference_tie_break_accepts_only_a_no_worse_second_side():
 def test_shape_mismatch_is_reported():
     found = compare_arrays("x", np.zeros((2, 3)), np.zeros((3, 2)))
     assert found is not None
-    assert "shape [2, 3] != [3, 2]" in found.reason
+    assert found.describe() == "x: shape [2, 3] on Linen, [3, 2] on NNX"
 
 
 def test_tree_with_leaf_on_one_side_only_is_a_mismatch():
     found = compare_trees({"a": np.zeros(2), "b": np.zeros(2)}, {"a": np.zeros(2)})
     assert [m.path for m in found] == ["b"]
-    assert "missing on the second side" in found[0].reason
+    assert found[0].describe() == "b: Linen has this leaf, NNX does not"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
