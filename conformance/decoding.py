@@ -73,7 +73,7 @@ class LinenDecoder:
         logits, mutated = self.module.apply(
             {"params": params, "cache": cache}, *model_inputs(batch), mode=mode, mutable=["cache"]
         )
-        return logits, mutated["cache"]
+        return logits, nn.meta.unbox(mutated["cache"])
 
     def run(
         self,
@@ -123,22 +123,19 @@ class NnxDecoder:
             [(self._keys[p], self._abstract_vars[p].replace(v)) for p, v in cache.items()]
         )
 
-    def _init_impl(self) -> nnx.State:
-        return nnx.state(self._with_cache(0), nnx.Cache)
+    def _init_impl(self) -> Flat:
+        return _values(nnx.state(self._with_cache(0), nnx.Cache))
 
     def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
         """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
-        fn = _jitted(
-            self._fns["init"], self._init_impl, shardings, lambda _: self._state(shardings)
-        )
-        return {path: var.get_value() for path, var in flatten_state(fn()).items()}
+        return _jitted(self._fns["init"], self._init_impl, shardings, lambda _: shardings)()
 
     def _serve(
         self, params: nnx.State, cache: nnx.State, rest: nnx.State, batch: Batch, *, mode: str
     ) -> Any:
         model = nnx.merge(self.graphdef, params, cache, rest)
         logits = model(*model_inputs(batch), mode=mode)
-        return logits, nnx.state(model, nnx.Cache)
+        return logits, _values(nnx.state(model, nnx.Cache))
 
     def run(
         self,
@@ -150,11 +147,20 @@ class NnxDecoder:
     ) -> tuple[jax.Array, Flat]:
         """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
         serve = functools.partial(self._serve, mode=mode)
-        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, self._state(shardings)))
-        logits, new_cache = fn(
+        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
+        return fn(
             self.runner.state(params), self._state(cache), self.runner.rest(mesh_of(params)), batch
         )
-        return logits, {path: var.get_value() for path, var in flatten_state(new_cache).items()}
+
+
+def _values(cache: nnx.State) -> Flat:
+    """``{path: array}`` of a cache state.
+
+    Plain values, not Variables: a layer may change a cache variable's metadata (MaxText's
+    scanned layers drop its sharding names), which must not make the output mismatch
+    the output shardings.
+    """
+    return {path: var.get_value() for path, var in flatten_state(cache).items()}
 
 
 @scoped
