@@ -1,9 +1,16 @@
 """MaxText's two Transformers, wrapped to the harness's module conventions.
 
-Only the call signature changes: ``(tokens, positions, segment_ids, deterministic=...)``
-becomes MaxText's ``(decoder_input_tokens, decoder_positions, decoder_segment_ids,
-enable_dropout=...)``. The wrappers subclass MaxText's classes, so parameter paths are
-MaxText's own (``token_embedder/...``, ``decoder/...``) on both sides.
+Only the call signature changes: ``(tokens, positions, segment_ids, deterministic=...,
+mode=...)`` becomes MaxText's ``(decoder_input_tokens, decoder_positions,
+decoder_segment_ids, enable_dropout=..., model_mode=...)``. The wrappers subclass
+MaxText's classes, so parameter and cache paths are MaxText's own
+(``token_embedder/...``, ``decoder/...``) on both sides.
+
+Serving follows MaxText's own decode loop: a batch of right-padded prompts is prefilled
+(``model_mode="prefill"``, segment id 0 masks the padding) and then every row steps
+together (``"autoregressive"``, each row at its own position, no segment ids). MaxText
+sizes its KV caches for the configured decode batch only when a model is *built* for
+autoregressive decoding, so both sides create their caches that way.
 """
 
 from __future__ import annotations
@@ -13,12 +20,39 @@ from typing import Any
 
 import jax
 from flax import nnx
-from maxtext.common.common_types import MODEL_MODE_TRAIN
+from maxtext.common.common_types import (
+    MODEL_MODE_AUTOREGRESSIVE,
+    MODEL_MODE_PREFILL,
+    MODEL_MODE_TRAIN,
+)
 from maxtext.layers import quantizations
 from maxtext.models.models import Transformer, TransformerLinenPure
 from maxtext.utils import maxtext_utils
 
 from conformance_models.maxtext.config import MaxTextConfig, hyperparameters
+
+_MODEL_MODES: Mapping[str, str] = {
+    "forward": MODEL_MODE_TRAIN,
+    "prefill": MODEL_MODE_PREFILL,
+    "decode": MODEL_MODE_AUTOREGRESSIVE,
+}
+"""The harness's call modes and MaxText's ``model_mode`` for each."""
+
+
+def _model_mode(mode: str) -> str:
+    if mode not in _MODEL_MODES:
+        raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(_MODEL_MODES)}")
+    return _MODEL_MODES[mode]
+
+
+def _check_cache_rows(config: Any, rows: int) -> None:
+    """MaxText's caches hold ``per_device_batch_size`` x devices rows, fixed at build."""
+    expected = config.micro_batch_size_to_train_on
+    if rows != expected:
+        raise ValueError(
+            f"MaxText builds its KV caches for {expected} rows (per_device_batch_size x "
+            f"devices), not {rows}"
+        )
 
 
 def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
@@ -29,21 +63,33 @@ def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, 
 class LinenTransformer(TransformerLinenPure):
     """MaxText's pure Linen Transformer with the harness's call signature."""
 
-    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def init(self, rngs: Any, *args: Any, mode: str = "forward", **kwargs: Any) -> Any:  # type: ignore[override]
         """``init`` that also gives a ``dropout`` stream when given a single key.
 
         With dropout on, MaxText's DeepSeek layers draw a dropout key even while
         initialising deterministically, and Linen has no default stream to fall back to.
+        With ``mode="prefill"`` the variables include an empty ``cache`` collection for
+        the rows of ``args``: MaxText creates it by an autoregressive init.
         """
         if not isinstance(rngs, Mapping):
             rngs = {"params": rngs, "dropout": jax.random.fold_in(rngs, 1)}
-        return super().init(rngs, *args, **kwargs)
+        if _model_mode(mode) == MODEL_MODE_TRAIN:
+            return super().init(rngs, *args, **kwargs)
+        tokens, positions, *_ = args
+        _check_cache_rows(self.config, tokens.shape[0])
+        return super().init(
+            rngs, tokens[:, :1], positions[:, :1], None, model_mode=MODEL_MODE_AUTOREGRESSIVE
+        )
+
+    def apply(self, *args: Any, mode: str = "forward", **kwargs: Any) -> Any:  # type: ignore[override]
+        """``apply`` in the harness's ``mode`` (MaxText's ``model_mode``)."""
+        return super().apply(*args, model_mode=_model_mode(mode), **kwargs)
 
     def __call__(  # type: ignore[override]
         self,
         tokens: jax.Array,
         positions: jax.Array,
-        segment_ids: jax.Array,
+        segment_ids: jax.Array | None,
         deterministic: bool = True,
         model_mode: str = MODEL_MODE_TRAIN,
     ) -> jax.Array:
@@ -51,7 +97,7 @@ class LinenTransformer(TransformerLinenPure):
         return super().__call__(
             tokens,
             positions,
-            segment_ids,
+            None if model_mode == MODEL_MODE_AUTOREGRESSIVE else segment_ids,
             enable_dropout=not deterministic,
             model_mode=model_mode,
         )
@@ -66,9 +112,31 @@ class NnxTransformer(Transformer):
         positions: jax.Array,
         segment_ids: jax.Array,
         deterministic: bool = True,
+        mode: str = "forward",
     ) -> jax.Array:
         """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``."""
-        return super().__call__(tokens, positions, segment_ids, enable_dropout=not deterministic)
+        model_mode = _model_mode(mode)
+        return super().__call__(
+            tokens,
+            positions,
+            None if model_mode == MODEL_MODE_AUTOREGRESSIVE else segment_ids,
+            enable_dropout=not deterministic,
+            model_mode=model_mode,
+        )
+
+    def init_cache(self, batch_size: int) -> None:  # type: ignore[override]
+        """Give every attention layer an empty KV cache for ``batch_size`` rows.
+
+        MaxText's own ``init_cache`` is a stub, and its ``nnx.Cache`` variables exist
+        only in a model built for autoregressive decoding; so the decoder is rebuilt
+        that way, keeping its parameters.
+        """
+        _check_cache_rows(self.config, batch_size)
+        mode = MODEL_MODE_AUTOREGRESSIVE
+        serving = Transformer(self.config, self.mesh, self.quant, model_mode=mode, rngs=nnx.Rngs(0))
+        nnx.update(serving.decoder, nnx.state(self.decoder, nnx.Param))
+        self.decoder = serving.decoder
+        self.model_mode = mode
 
 
 def linen_transformer(config: MaxTextConfig) -> LinenTransformer:
