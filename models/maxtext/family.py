@@ -176,6 +176,21 @@ _PARTITIONED = (
     "between these layouts (tests/test_upstream.py::"
     "test_matmul_into_a_batch_split_over_two_axes)"
 )
+_PTQ_LINEN = (
+    "qwix 0.1.8's PTQ looks for a weight only among the current Linen module's own "
+    "top-level params (utils/flax_util.py find_param); MaxText's Linen decoder layers are "
+    "NNX layers bridged by to_linen, whose params lie nested below that module, so on "
+    "Linen no decoder-layer kernel becomes qvalue/scale ({leaves} stay float in every "
+    "layer) while NNX quantizes each one"
+)
+
+
+def _ptq_divergences(leaves: str) -> dict[str, str]:
+    """PTQ's parameter layout and forward fail alike: Linen kernels are never quantized."""
+    reason = _PTQ_LINEN.format(leaves=leaves)
+    return {"quant_params[ptq]": reason, "quant_forward[ptq]": reason}
+
+
 _TINY = MappingProxyType({"base_num_decoder_layers": 2, "vocab_size": 256})
 _SMALL_ATTENTION = MappingProxyType(
     {
@@ -197,6 +212,7 @@ class MaxTextGpt3(MaxTextFamily):
     known_divergences = MappingProxyType(
         {
             "grad_accumulation": _BF16_ATTEND,
+            **_ptq_divergences("self_attention/{qkv_proj,out}/kernel and mlp/{wi,wo}/kernel"),
             "layout": "the key bias of the fused qkv_proj has a zero true gradient (softmax "
             "ignores a per-query shift), so its gradient is rounding noise, which Adam "
             "scales to steps of up to the learning rate; the noise, and so the step, differs "
@@ -213,6 +229,9 @@ class MaxTextLlama2(MaxTextFamily):
     overrides = _SMALL_ATTENTION
     known_divergences = MappingProxyType(
         {
+            **_ptq_divergences(
+                "self_attention/{query,key,value,out}/kernel and mlp/{wi_0,wi_1,wo}/kernel"
+            ),
             "grad_accumulation[scan]": "scanned layers: loss and gradients agree; one "
             "Adam-updated element of self_attention/out/kernel is 1.9e-5 apart (atol 1e-5): "
             "its gradient is near zero, and Adam scales that rounding noise up to a step",
@@ -245,6 +264,10 @@ class MaxTextDeepseek3(MaxTextFamily):
     capabilities = dataclasses.replace(MaxTextFamily.capabilities, moe=True)
     known_divergences = MappingProxyType(
         {
+            **_ptq_divergences(
+                "self_attention/{wq_a,wq_b,wkv_a,wkv_b,out}/kernel, the dense mlp/{wi_0,wi_1,wo}"
+                "/kernel, the MoE gate/kernel and shared_experts/{wi_0,wi_1,wo}/kernel"
+            ),
             "grad_accumulation": "4 micro-batches against the whole batch: "
             + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
@@ -262,6 +285,10 @@ class MaxTextGemma2(MaxTextFamily):
     overrides = MappingProxyType({**_SMALL_ATTENTION, "sliding_window_size": 4})
     known_divergences = MappingProxyType(
         {
+            **_ptq_divergences(
+                "self_attention_{local,global}/{query,key,value,out}/kernel and "
+                "mlp_{local,global}/{wi_0,wi_1,wo}/kernel"
+            ),
             "grad_accumulation": "4 micro-batches against the whole batch: "
             + _PARTITIONED.format(gap=0.17, leaf="self_attention_local/query/kernel")
             + "; on fsdp=8, "
