@@ -160,10 +160,13 @@ class MaxTextFamily(Family):
         )
 
 
-_BF16_ATTEND = (
+_BF16_ROUNDED = (
     "MaxText's attend() (layers/embeddings.py) casts the tied embedding table to bfloat16 "
-    "even in a float32 model, so the token-embedding gradient is bf16-rounded and is not "
-    "additive over micro-batches (both backends alike; up to 2.5e-4 apart on 4 micro-batches)"
+    "even in a float32 model, so the token-embedding gradient is bf16-rounded"
+)
+_BF16_ATTEND = (
+    _BF16_ROUNDED + " and is not additive over micro-batches (both backends alike; up to "
+    "2.5e-4 apart on 4 micro-batches)"
 )
 _PARTITIONED = (
     "on data=2,fsdp=2,tensor=2 one step's attention-projection gradients differ from the "
@@ -212,6 +215,10 @@ class MaxTextGpt3(MaxTextFamily):
     known_divergences = MappingProxyType(
         {
             "grad_accumulation": _BF16_ATTEND,
+            "sharding_invariance[fsdp8-scan]": "on fsdp8 with scanned layers one element of "
+            "the token-embedding gradient is 1.06e-5 from one device's (atol 1e-5), on both "
+            "backends alike: " + _BF16_ROUNDED + ", and another reduction order moves it by "
+            "a rounding step",
             **_ptq_divergences("self_attention/{qkv_proj,out}/kernel and mlp/{wi,wo}/kernel"),
             "layout": "the key bias of the fused qkv_proj has a zero true gradient (softmax "
             "ignores a per-query shift), so its gradient is rounding noise, which Adam "
