@@ -63,6 +63,9 @@ class MaxTextConfig:
     dtype: Any = jnp.float32
     quantization: str = ""
     """MaxText's ``quantization`` key for Qwix (``use_qwix_quantization``); empty for float."""
+    aqt_mode: str = ""
+    """AQT int8 (MaxText's ``quantization: int8``) in this mode: ``train``, ``convert`` or
+    ``serve``; empty for none."""
     mesh: Any = None
     """The device mesh (MaxText's axis names) the modules constrain activations on;
     ``None``: the mesh MaxText builds from its config (every device on ``fsdp``)."""
@@ -85,6 +88,8 @@ class MaxTextConfig:
         }
         if self.quantization:
             keys |= {"quantization": self.quantization, "use_qwix_quantization": True}
+        if self.aqt_mode:
+            keys |= {"quantization": "int8"}
         return keys
 
 

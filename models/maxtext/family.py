@@ -56,17 +56,10 @@ class MaxTextFamily(Family):
         remat=True,
         dropout=True,
         decode=True,
+        aqt=True,
         quantization=frozenset(MODES),
     )
     train_rngs = ("dropout",)
-
-    unsupported = MappingProxyType(
-        {
-            "aqt": "MaxText's AQT path (quantization without use_qwix_quantization) builds its "
-            "own AqtDotGeneral per layer; the suite's AQT checks drive a family through "
-            "Family.aqt_config, which the adapter does not map yet",
-        }
-    )
 
     def unavailable(self) -> str | None:
         """Why MaxText families cannot run here: maxtext missing, or another version."""
@@ -138,6 +131,12 @@ class MaxTextFamily(Family):
         """``remat``: MaxText's ``remat_policy`` ``full`` instead of ``minimal``."""
         return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
 
+    def aqt_config(self, config: MaxTextConfig, mode: str) -> MaxTextConfig:
+        """MaxText's AQT int8 (``quantization: int8``) in ``mode``, rounding to nearest."""
+        if mode not in ("train", "convert", "serve"):
+            raise FamilyError(f"{self.name}: no AQT mode {mode!r}; modes: train, convert, serve")
+        return dataclasses.replace(config, aqt_mode=mode)
+
     def layer_stack_rules(self, config: MaxTextConfig) -> PathRules:
         r"""MaxText stacks ``decoder/<stack>_<i>/`` into ``decoder/<stack>/`` on axis 1.
 
@@ -194,6 +193,19 @@ def _ptq_divergences(leaves: str) -> dict[str, str]:
     return {"quant_params[ptq]": reason, "quant_forward[ptq]": reason}
 
 
+_MOE_AQT = (
+    "the routed MoE's dense path (layers/moe.py aqt_einsum) calls self.quant.einsum(...), a "
+    "Linen AqtEinsum built at call time inside an NNX module. "
+)
+_MOE_AQT_CALL = _MOE_AQT + (
+    "Every AQT mode fails to run on both backends: Linen apply raises 'AqtDotGeneral_0 "
+    "needs PRNG for \"params\"', NNX 'Can't call compact methods on unbound modules'"
+)
+_MOE_AQT_LAYOUT = _MOE_AQT + (
+    "Linen's serve-mode init hoists its frozen kernels to the layer "
+    "(decoder/moe_layers_0/AqtEinsum_{0,1,2}/AqtDotGeneral_0/qrhs/frozen/{qvalue,scale/0}, "
+    "int8[4, 64, 64]); the NNX model has none of these 6 leaves"
+)
 _TINY = MappingProxyType({"base_num_decoder_layers": 2, "vocab_size": 256})
 _SMALL_ATTENTION = MappingProxyType(
     {
@@ -275,6 +287,10 @@ class MaxTextDeepseek3(MaxTextFamily):
                 "self_attention/{wq_a,wq_b,wkv_a,wkv_b,out}/kernel, the dense mlp/{wi_0,wi_1,wo}"
                 "/kernel, the MoE gate/kernel and shared_experts/{wi_0,wi_1,wo}/kernel"
             ),
+            **dict.fromkeys(
+                ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve"), _MOE_AQT_CALL
+            ),
+            "aqt_layout[loop]": _MOE_AQT_LAYOUT,
             "grad_accumulation": "4 micro-batches against the whole batch: "
             + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(

@@ -15,10 +15,13 @@ autoregressive decoding, so both sides create their caches that way.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+from aqt.jax.v2 import config as aqt_config
 from flax import nnx
 from maxtext.common.common_types import (
     MODEL_MODE_AUTOREGRESSIVE,
@@ -55,9 +58,29 @@ def _check_cache_rows(config: Any, rows: int) -> None:
         )
 
 
+def _quantization(config: MaxTextConfig, hp: Any) -> Any:
+    """MaxText's own quantization for ``hp``; for AQT, its int8 recipe without noise.
+
+    MaxText's int8 recipe rounds the activation gradient stochastically from a key each
+    backend draws differently; the same recipe with round-to-nearest keeps the two
+    comparable (the layers accept any quantization object).
+    """
+    if not config.aqt_mode:
+        return quantizations.configure_quantization(hp)
+    quant = quantizations.configure_quantization(hp, quant_mode_str=config.aqt_mode)
+    recipe = copy.deepcopy(quant.quant_dg)
+    aqt_config.set_stochastic_rounding(
+        recipe,
+        vjp_lhs_stochastic_rounding=False,
+        vjp_rhs_stochastic_rounding=False,
+        implementation="jax.uniform",
+    )
+    return dataclasses.replace(quant, quant_dg=recipe)
+
+
 def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
     mesh = config.mesh if config.mesh is not None else maxtext_utils.get_mesh_from_config(hp)
-    return mesh, quantizations.configure_quantization(hp)
+    return mesh, _quantization(config, hp)
 
 
 class LinenTransformer(TransformerLinenPure):
