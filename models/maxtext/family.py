@@ -43,13 +43,17 @@ INSTALL_HINT = "pip install -e '.[maxtext]'"
 class MaxTextFamily(Family):
     """A MaxText model, ``model_name`` shrunk by ``overrides``, as a conformance family."""
 
-    sizes = ("tiny",)
+    sizes: tuple[str, ...] = ("tiny",)
+    """``tiny`` (``model_name`` shrunk, run on devices), then production sizes: MaxText
+    model ymls as shipped, evaluated abstractly (structure and sharding goldens)."""
     batch_axis = "activation_batch"
     layer_stack_axis = 1
     model_name: ClassVar[str]
     """The MaxText model (a yml under ``maxtext/configs/models``)."""
     overrides: ClassVar[Mapping[str, Any]]
     """MaxText config keys set on top of the model's yml (``override_model_config`` is on)."""
+    production: ClassVar[Mapping[str, Mapping[str, Any]]] = MappingProxyType({})
+    """Keys a production size's workload sets on top of its yml (none by default)."""
 
     capabilities = Capabilities(
         scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
@@ -74,13 +78,28 @@ class MaxTextFamily(Family):
     def config(
         self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32
     ) -> MaxTextConfig:
-        """The tiny model with the given layer layout and compute dtype."""
+        """The model of ``size`` with the given layer layout and compute dtype.
+
+        A production size must be sharded by the family's own rules
+        (:meth:`logical_axis_rules`, from the tiny model's yml): a yml whose
+        ``logical_axis_rules`` differ is refused rather than given goldens MaxText would
+        not produce.
+        """
         if size not in self.sizes:
             raise ValueError(f"{self.name} has no size {size!r}; sizes: {', '.join(self.sizes)}")
-        overrides = {"override_model_config": True, **_TINY, **self.overrides}
-        return MaxTextConfig.create(
-            self.model_name, overrides, scan_layers=scan_layers, dtype=dtype
-        )
+        if size == self.device_size:
+            overrides = {"override_model_config": True, **_TINY, **self.overrides}
+            return MaxTextConfig.create(
+                self.model_name, overrides, scan_layers=scan_layers, dtype=dtype
+            )
+        overrides = {"override_model_config": True, **self.production.get(size, {})}
+        config = MaxTextConfig.create(size, overrides, scan_layers=scan_layers, dtype=dtype)
+        if _rules(config) != self.logical_axis_rules():
+            raise FamilyError(
+                f"{self.name}: {size}'s logical_axis_rules differ from {self.model_name}'s, "
+                "which the family shards every size with"
+            )
+        return config
 
     def linen_module(self, config: MaxTextConfig) -> nn.Module:
         """MaxText's ``TransformerLinenPure`` for ``config``."""
@@ -152,11 +171,15 @@ class MaxTextFamily(Family):
 
     def logical_axis_rules(self) -> LogicalRules:
         """MaxText's own rules: ``base.yml`` merged with the model's yml."""
-        config = self.config(self.device_size, scan_layers=False)
-        return tuple(
-            (name, tuple(target) if isinstance(target, list) else target)
-            for name, target in hyperparameters(config, "linen").logical_axis_rules
-        )
+        return _rules(self.config(self.device_size, scan_layers=False))
+
+
+def _rules(config: MaxTextConfig) -> LogicalRules:
+    """The logical-axis rules MaxText resolves for ``config``."""
+    return tuple(
+        (name, tuple(target) if isinstance(target, list) else target)
+        for name, target in hyperparameters(config, "linen").logical_axis_rules
+    )
 
 
 _BF16_ROUNDED = (
@@ -223,6 +246,7 @@ class MaxTextGpt3(MaxTextFamily):
 
     name = "maxtext-gpt3"
     model_name = "gpt3-52k"
+    sizes = ("tiny", "gpt3-175b")
     overrides = MappingProxyType({})
     known_divergences = MappingProxyType(
         {
@@ -245,6 +269,8 @@ class MaxTextLlama2(MaxTextFamily):
 
     name = "maxtext-llama2"
     model_name = "llama2-7b"
+    sizes = ("tiny", "llama2-70b")
+    production = MappingProxyType({"llama2-70b": {"num_vocab_tiling": 4}})
     overrides = _SMALL_ATTENTION
     known_divergences = MappingProxyType(
         {
@@ -263,6 +289,7 @@ class MaxTextDeepseek3(MaxTextFamily):
 
     name = "maxtext-deepseek3"
     model_name = "deepseek3-tiny"
+    sizes = ("tiny", "deepseek3-671b")
     overrides = MappingProxyType(
         {
             "first_num_dense_layers": 1,
@@ -305,6 +332,7 @@ class MaxTextGemma2(MaxTextFamily):
 
     name = "maxtext-gemma2"
     model_name = "gemma2-2b"
+    sizes = ("tiny", "gemma2-27b")
     overrides = MappingProxyType({**_SMALL_ATTENTION, "sliding_window_size": 4})
     known_divergences = MappingProxyType(
         {
