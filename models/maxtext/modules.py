@@ -78,6 +78,22 @@ def _quantization(config: MaxTextConfig, hp: Any) -> Any:
     return dataclasses.replace(quant, quant_dg=recipe)
 
 
+def _call_maxtext(
+    call: Any,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array | None,
+    deterministic: bool,
+    model_mode: str,
+) -> jax.Array:
+    """``call`` with MaxText's arguments: no segment ids in autoregressive steps."""
+    if model_mode == MODEL_MODE_AUTOREGRESSIVE:
+        segment_ids = None  # MaxText raises when given them there
+    return call(
+        tokens, positions, segment_ids, enable_dropout=not deterministic, model_mode=model_mode
+    )
+
+
 def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
     mesh = config.mesh if config.mesh is not None else maxtext_utils.get_mesh_from_config(hp)
     return mesh, _quantization(config, hp)
@@ -117,13 +133,8 @@ class LinenTransformer(TransformerLinenPure):
         model_mode: str = MODEL_MODE_TRAIN,
     ) -> jax.Array:
         """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``."""
-        return super().__call__(
-            tokens,
-            positions,
-            None if model_mode == MODEL_MODE_AUTOREGRESSIVE else segment_ids,
-            enable_dropout=not deterministic,
-            model_mode=model_mode,
-        )
+        call = super().__call__
+        return _call_maxtext(call, tokens, positions, segment_ids, deterministic, model_mode)
 
 
 class NnxTransformer(Transformer):
@@ -138,14 +149,8 @@ class NnxTransformer(Transformer):
         mode: str = "forward",
     ) -> jax.Array:
         """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``."""
-        model_mode = _model_mode(mode)
-        return super().__call__(
-            tokens,
-            positions,
-            None if model_mode == MODEL_MODE_AUTOREGRESSIVE else segment_ids,
-            enable_dropout=not deterministic,
-            model_mode=model_mode,
-        )
+        call = super().__call__
+        return _call_maxtext(call, tokens, positions, segment_ids, deterministic, _model_mode(mode))
 
     def init_cache(self, batch_size: int) -> None:  # type: ignore[override]
         """Give every attention layer an empty KV cache for ``batch_size`` rows.
