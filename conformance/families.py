@@ -89,6 +89,9 @@ class Capabilities:
     """Qwix modes (names in :data:`conformance.quant.MODES`) the family supports."""
     aqt: bool = False
     """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
+    vocab_tiling: bool = False
+    """A training loss computed from the logits a few rows at a time, through
+    :meth:`Family.vocab_tiling_config`."""
 
     @property
     def preferred_scan_layers(self) -> bool:
@@ -127,6 +130,10 @@ class Family(abc.ABC):
       collection, created empty by ``init(..., mode="prefill")``; NNX keeps it in
       ``nnx.Cache`` variables created empty by ``model.init_cache(batch_size)``. Cache
       leaves carry logical axis names and map between backends by :meth:`path_rules`.
+    * With ``Capabilities(vocab_tiling=True)``, the modules of a
+      :meth:`vocab_tiling_config` also take the keywords ``targets`` and
+      ``target_weights`` (``[batch, seq]``) in a training call and then return the
+      weighted sum of next-token cross entropy (a float32 scalar) instead of logits.
     """
 
     name: str
@@ -271,6 +278,19 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
+
+    def vocab_tiling_config(self, config: Any, tiles: int) -> Any:
+        """``config`` whose training loss computes the logits ``tiles`` slices at a time.
+
+        The batch's ``batch x seq`` positions are cut into ``tiles`` equal slices and
+        each slice's logits are computed and reduced to its loss separately, so the
+        ``[batch, seq, vocab]`` logits never exist at once. Its modules return that loss
+        when called with ``targets`` and ``target_weights`` (see :class:`Family`), and
+        hold exactly ``config``'s parameters. Required with
+        ``Capabilities(vocab_tiling=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support vocab tiling ({tiles} tiles)")
 
     def __repr__(self) -> str:
         return f"<Family {self.name}>"

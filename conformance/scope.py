@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import gc
+import inspect
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from types import TracebackType
@@ -140,11 +141,18 @@ def mapping_limit() -> int | None:
 
 
 def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
-    """Memoise ``factory`` (hashable arguments) in the active :class:`Scope`."""
+    """Memoise ``factory`` (hashable arguments) in the active :class:`Scope`.
+
+    Calls are keyed by their bound arguments, defaults applied: ``f(a)`` and ``f(a, 1)``
+    share one result when 1 is the default.
+    """
+    signature = inspect.signature(factory)
 
     @functools.wraps(factory)
     def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
-        return current().get(factory, args, kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return current().get(factory, bound.args, bound.kwargs)
 
     return memoised
 
@@ -152,11 +160,15 @@ def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
 def kept[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
     """Memoise ``factory``, whose results hold no compiled program, in the active scope.
 
-    Unlike :func:`scoped` values, they outlive ``release(keep_results=True)``.
+    Unlike :func:`scoped` values, they outlive ``release(keep_results=True)``; calls
+    are keyed as by :func:`scoped`.
     """
+    signature = inspect.signature(factory)
 
     @functools.wraps(factory)
     def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
-        return current().get(factory, args, kwargs, result=True)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return current().get(factory, bound.args, bound.kwargs, result=True)
 
     return memoised

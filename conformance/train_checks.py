@@ -94,19 +94,21 @@ def linen_and_nnx(
     *,
     check: str,
     start: Flat | None = None,
+    vocab_tiles: int = 1,
 ) -> tuple[Side, Side, dict[str, str]]:
     """Both sides' placed initial train states, NNX holding Linen's parameters.
 
     The Linen parameters are ``start`` (Linen paths, placed on ``devices`` here) or,
     by default, initialised from seed 0. With ``quant`` (a QAT mode), both models are
-    quantized. ``config`` is bound to ``devices`` (:meth:`Family.with_mesh`). A failure
-    while setting up is reported under ``check``. Returns ``(linen, nnx, {Linen state
-    path: NNX state path})``.
+    quantized; with ``vocab_tiles > 1``, both compute their loss in that many tiles.
+    ``config`` is bound to ``devices`` (:meth:`Family.with_mesh`). A failure while
+    setting up is reported under ``check``. Returns ``(linen, nnx, {Linen state path:
+    NNX state path})``.
     """
     config = family.with_mesh(config, devices)
     lt, nt = (
-        linen_trainer(family, config, micro_batches, quant),
-        nnx_trainer(family, config, micro_batches, quant),
+        linen_trainer(family, config, micro_batches, quant, vocab_tiles),
+        nnx_trainer(family, config, micro_batches, quant, vocab_tiles),
     )
     mapping = param_map(family, check, config)
     linen_sh = shardings_for(family, check, lt.runner.logical, mesh, devices)

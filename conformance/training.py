@@ -9,7 +9,9 @@ The loss is next-token cross entropy over real targets (a position and the next 
 real, by segment id; no token value is taken for padding), optimised with AdamW under a
 warmup-cosine schedule after global-norm clipping. With ``micro_batches > 1`` the batch
 is split along its first axis, and summed losses, token counts and gradients are
-accumulated before one update, so the result equals a step on the whole batch.
+accumulated before one update, so the result equals a step on the whole batch. With
+``vocab_tiles > 1`` the family's :meth:`~conformance.families.Family.vocab_tiling_config`
+computes the loss inside the model, and the step differentiates its mean.
 
 NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
 variables; Linen takes them per call. The NNX train state leaves them out, so both train
@@ -52,18 +54,44 @@ def make_optimizer() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
-def masked_token_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross entropy over real targets, and how many targets were real.
-
-    A target is real where its position and the next are real tokens (segment id not 0).
-    """
+def target_weights(batch: Batch) -> jax.Array:
+    """1.0 where a target is real (its position and the next are real tokens), else 0.0."""
     real = batch.segment_ids != 0
     follows = jnp.zeros_like(real).at[:, :-1].set(real[:, 1:])
-    weights = (real & follows).astype(jnp.float32)
+    return (real & follows).astype(jnp.float32)
+
+
+def masked_token_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """Summed next-token cross entropy over real targets, and how many targets were real."""
+    weights = target_weights(batch)
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch.targets
     )
     return jnp.sum(losses * weights), jnp.sum(weights)
+
+
+def loss_inputs(batch: Batch) -> dict[str, jax.Array]:
+    """The keywords a vocab-tiled module computes its own loss from."""
+    return {"targets": batch.targets, "target_weights": target_weights(batch)}
+
+
+def mean_model_loss(loss_sum: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """A vocab-tiled module's summed loss as a mean over real targets, counted as one.
+
+    A step differentiates this mean, not the sum: the model's loss then receives a
+    cotangent of ``1 / targets``, as in a trainer that normalises before differentiating,
+    so a tiled loss whose backward pass ignores its cotangent cannot agree by accident.
+    """
+    return loss_sum.astype(jnp.float32) / jnp.sum(target_weights(batch)), jnp.ones(())
+
+
+def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> Any:
+    """``config`` with the family's vocab tiling, or unchanged for one tile."""
+    if vocab_tiles == 1:
+        return config
+    if micro_batches != 1:
+        raise ValueError("a vocab-tiled step takes the whole batch (one micro-batch)")
+    return family.vocab_tiling_config(config, vocab_tiles)
 
 
 def split_batch(batch: Batch, micro_batches: int) -> list[Batch]:
@@ -116,10 +144,19 @@ class LinenTrainer:
     accumulate = staticmethod(accumulate)
 
     def __init__(
-        self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+        self,
+        family: Family,
+        config: Any,
+        micro_batches: int = 1,
+        quant: str | None = None,
+        vocab_tiles: int = 1,
     ) -> None:
+        config = _tiled(family, config, micro_batches, vocab_tiles)
         self.runner = linen_runner(family, config, quant)
         self.train_kwargs = dict(family.train_kwargs(config))
+        self.tiled = vocab_tiles > 1
+        if self.tiled:
+            self.loss = mean_model_loss
         self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
@@ -162,6 +199,7 @@ class LinenTrainer:
                 micro.segment_ids,
                 rngs=rngs,
                 **self.train_kwargs,
+                **(loss_inputs(micro) if self.tiled else {}),
             )
             return self.loss(logits, micro)
 
@@ -226,10 +264,19 @@ class NnxTrainer:
     forward = staticmethod(nnx_training_forward)
 
     def __init__(
-        self, family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+        self,
+        family: Family,
+        config: Any,
+        micro_batches: int = 1,
+        quant: str | None = None,
+        vocab_tiles: int = 1,
     ) -> None:
+        config = _tiled(family, config, micro_batches, vocab_tiles)
         self.runner = nnx_runner(family, config, quant)
         self.train_kwargs = dict(family.train_kwargs(config))
+        self.tiled = vocab_tiles > 1
+        if self.tiled:
+            self.loss = mean_model_loss
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
@@ -264,7 +311,8 @@ class NnxTrainer:
         train = nnx.merge(self.graphdef, streams, state)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
-            return self.loss(self.forward(model, micro, self.train_kwargs), micro)
+            kwargs = {**self.train_kwargs, **(loss_inputs(micro) if self.tiled else {})}
+            return self.loss(self.forward(model, micro, kwargs), micro)
 
         grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
         (loss_sum, count), grads = self.accumulate(
@@ -293,15 +341,23 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 
 @scoped
 def linen_trainer(
-    family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+    family: Family,
+    config: Any,
+    micro_batches: int = 1,
+    quant: str | None = None,
+    vocab_tiles: int = 1,
 ) -> LinenTrainer:
-    """The Linen trainer for ``(family, config, micro_batches, quant)``."""
-    return LinenTrainer(family, config, micro_batches, quant)
+    """The Linen trainer for ``(family, config, micro_batches, quant, vocab_tiles)``."""
+    return LinenTrainer(family, config, micro_batches, quant, vocab_tiles)
 
 
 @scoped
 def nnx_trainer(
-    family: Family, config: Any, micro_batches: int = 1, quant: str | None = None
+    family: Family,
+    config: Any,
+    micro_batches: int = 1,
+    quant: str | None = None,
+    vocab_tiles: int = 1,
 ) -> NnxTrainer:
-    """The NNX trainer for ``(family, config, micro_batches, quant)``."""
-    return NnxTrainer(family, config, micro_batches, quant)
+    """The NNX trainer for ``(family, config, micro_batches, quant, vocab_tiles)``."""
+    return NnxTrainer(family, config, micro_batches, quant, vocab_tiles)

@@ -7,10 +7,12 @@ so that both backends draw from the same distributions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
@@ -101,6 +103,34 @@ def dot_product_attention(
     logits = jnp.where(mask, logits, _MASK_VALUE)
     weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def tiled_token_loss(
+    head: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    tiles: int,
+) -> jax.Array:
+    """Weighted next-token cross entropy of ``head(hidden)``, ``tiles`` slices at a time.
+
+    ``hidden`` is ``[batch, seq, d_model]``; its ``batch x seq`` positions are cut into
+    ``tiles`` equal slices, each given to ``head`` as one row (``[1, n, d_model]``), and
+    each slice's logits are reduced to a float32 loss before the next slice's are
+    computed. Returns the sum over slices of ``weights x cross entropy``: the loss of
+    the untiled logits, summed.
+    """
+    positions = targets.size
+    if positions % tiles:
+        raise ValueError(f"{positions} positions do not split into {tiles} tiles")
+    hidden = hidden.reshape(tiles, 1, positions // tiles, hidden.shape[-1])
+    targets, weights = targets.reshape(tiles, 1, -1), weights.reshape(tiles, 1, -1)
+    total = jnp.zeros((), jnp.float32)
+    for tile in range(tiles):
+        logits = head(hidden[tile]).astype(jnp.float32)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets[tile])
+        total += jnp.sum(losses * weights[tile])
+    return total
 
 
 MODES = ("forward", "prefill", "decode")

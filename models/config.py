@@ -34,6 +34,8 @@ class TransformerConfig:
     dropout_rate: float = 0.0
     aqt_mode: str | None = None
     """``None`` (float projections) or an AQT int8 mode: ``train``, ``convert`` or ``serve``."""
+    vocab_tiles: int = 1
+    """Slices a training call given ``targets`` computes its logits and loss in."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -43,6 +45,8 @@ class TransformerConfig:
             )
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.vocab_tiles < 1:
+            raise ValueError(f"vocab_tiles must be at least 1, got {self.vocab_tiles}")
         if self.aqt_mode not in (None, "train", "convert", "serve"):
             raise ValueError(
                 f"aqt_mode must be None, 'train', 'convert' or 'serve', got {self.aqt_mode!r}"

@@ -30,6 +30,7 @@ class TransformerFamily(Family):
         decode=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         aqt=True,
+        vocab_tiling=True,
     )
     train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
@@ -63,6 +64,10 @@ class TransformerFamily(Family):
     def aqt_config(self, config: TransformerConfig, mode: str) -> TransformerConfig:
         """``config`` with every projection running through AQT int8 in ``mode``."""
         return dataclasses.replace(config, aqt_mode=mode)
+
+    def vocab_tiling_config(self, config: TransformerConfig, tiles: int) -> TransformerConfig:
+        """``config`` whose training loss computes the output head ``tiles`` slices at a time."""
+        return dataclasses.replace(config, vocab_tiles=tiles)
 
     def linen_module(self, config: TransformerConfig) -> nn.Module:
         """Return the Linen decoder."""

@@ -34,6 +34,18 @@ def result(name):
     return object()
 
 
+@scoped
+def sized(name, size=1):
+    return object()
+
+
+def test_calls_spelling_out_a_default_share_one_result():
+    with Scope() as scope:
+        assert sized("a") is sized("a", 1) is sized("a", size=1)
+        assert sized("a", 2) is not sized("a")
+        assert len(scope) == 2
+
+
 def test_kept_results_outlive_a_release_that_keeps_them():
     with Scope() as scope:
         value, built = result("r"), thing("t")

@@ -1,7 +1,9 @@
-"""Train step: parity across backends, accumulation, layout variants, hygiene, dropout."""
+"""Train step: parity across backends, accumulation, layout variants, hygiene, dropout,
+vocab tiling."""
 
 import pytest
 
+from conformance.tiling_checks import check_vocab_tiling
 from conformance.train_checks import (
     check_dropout,
     check_grad_accumulation,
@@ -49,3 +51,9 @@ def test_optimizer_sharding(family, mesh, scan_layers, golden):
 def test_dropout(family, scan_layers, primary_mesh):
     mesh, devices = primary_mesh
     check_dropout(family, family.config(family.device_size, scan_layers=scan_layers), mesh, devices)
+
+
+@pytest.mark.capability("vocab_tiling")
+def test_vocab_tiling(family, mesh, scan_layers, device_mesh):
+    config = family.config(family.device_size, scan_layers=scan_layers)
+    check_vocab_tiling(family, config, mesh, device_mesh)

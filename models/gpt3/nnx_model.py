@@ -192,6 +192,8 @@ class Gpt3(nnx.Module):
         *,
         deterministic: bool = True,
         mode: str = "forward",
+        targets: jax.Array | None = None,
+        target_weights: jax.Array | None = None,
     ) -> jax.Array:
         """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
 
@@ -199,6 +201,10 @@ class Gpt3(nnx.Module):
         does the same for a right-padded prompt and fills the cache; ``decode`` runs one
         token per row at ``positions`` against the cache. Serving needs
         :meth:`init_cache` first.
+
+        With ``targets`` and ``target_weights`` (a training call), returns the summed
+        weighted cross entropy, computed ``config.vocab_tiles`` slices at a time
+        (``common.tiled_token_loss``), instead of the logits.
         """
         x = self.token_embed(tokens) + self.pos_embed(positions)
         x, hidden_states = apply_layers(
@@ -206,4 +212,9 @@ class Gpt3(nnx.Module):
         )
         if mode == "forward":
             self.sow(nnx.Intermediate, "hidden_states", hidden_states)
-        return self.token_embed.attend(self.final_norm(x))
+        x = self.final_norm(x)
+        if targets is not None:
+            return common.tiled_token_loss(
+                self.token_embed.attend, x, targets, target_weights, self.config.vocab_tiles
+            )
+        return self.token_embed.attend(x)

@@ -139,12 +139,18 @@ class Llama(nn.Module):
         *,
         deterministic: bool = True,
         mode: str = "forward",
+        targets: jax.Array | None = None,
+        target_weights: jax.Array | None = None,
     ) -> jax.Array:
         """Run the decoder on ``tokens`` ``[batch, seq]`` in ``mode``, one of ``common.MODES``.
 
         ``forward`` runs the whole sequence and sows ``hidden_states``; ``prefill``
         does the same for a right-padded prompt and fills the cache; ``decode`` runs one
         token per row at ``positions`` against the cache.
+
+        With ``targets`` and ``target_weights`` (a training call), returns the summed
+        weighted cross entropy, computed ``config.vocab_tiles`` slices at a time
+        (``common.tiled_token_loss``), instead of the logits.
         """
         cfg = self.config
         x = Embed(
@@ -162,7 +168,7 @@ class Llama(nn.Module):
             self.sow("intermediates", "hidden_states", hidden_states)
 
         x = RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, name="final_norm")(x)
-        return DenseGeneral(
+        head = DenseGeneral(
             (cfg.d_model,),
             (cfg.vocab_size,),
             ("embed", "vocab"),
@@ -170,4 +176,7 @@ class Llama(nn.Module):
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
             name="lm_head",
-        )(x)
+        )
+        if targets is not None:
+            return common.tiled_token_loss(head, x, targets, target_weights, cfg.vocab_tiles)
+        return head(x)

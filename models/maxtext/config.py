@@ -66,6 +66,9 @@ class MaxTextConfig:
     aqt_mode: str = ""
     """AQT int8 (MaxText's ``quantization: int8``) in this mode: ``train``, ``convert`` or
     ``serve``; empty for none."""
+    vocab_tiles: int = 1
+    """MaxText's ``num_vocab_tiling``: a training loss computes its logits in this many
+    slices (MaxText's ``vocab_tiling_*_loss``)."""
     mesh: Any = None
     """The device mesh (MaxText's axis names) the modules constrain activations on;
     ``None``: the mesh MaxText builds from its config (every device on ``fsdp``)."""
@@ -90,6 +93,8 @@ class MaxTextConfig:
             keys |= {"quantization": self.quantization, "use_qwix_quantization": True}
         if self.aqt_mode:
             keys |= {"quantization": "int8"}
+        if self.vocab_tiles > 1:
+            keys |= {"num_vocab_tiling": self.vocab_tiles}
         return keys
 
 

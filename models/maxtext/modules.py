@@ -31,6 +31,7 @@ from maxtext.common.common_types import (
 from maxtext.layers import quantizations
 from maxtext.models.models import Transformer, TransformerLinenPure
 from maxtext.utils import maxtext_utils
+from maxtext.utils.vocabulary_tiling import vocab_tiling_linen_loss, vocab_tiling_nnx_loss
 
 from conformance_models.maxtext.config import MaxTextConfig, hyperparameters
 
@@ -120,9 +121,31 @@ class LinenTransformer(TransformerLinenPure):
             rngs, tokens[:, :1], positions[:, :1], None, model_mode=MODEL_MODE_AUTOREGRESSIVE
         )
 
-    def apply(self, *args: Any, mode: str = "forward", **kwargs: Any) -> Any:  # type: ignore[override]
-        """``apply`` in the harness's ``mode`` (MaxText's ``model_mode``)."""
-        return super().apply(*args, model_mode=_model_mode(mode), **kwargs)
+    def apply(  # type: ignore[override]
+        self,
+        variables: Any,
+        *args: Any,
+        mode: str = "forward",
+        targets: jax.Array | None = None,
+        target_weights: jax.Array | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``apply`` in the harness's ``mode`` (MaxText's ``model_mode``).
+
+        With ``targets``, a training forward whose loss MaxText's trainer computes:
+        with ``num_vocab_tiling > 1`` the decoder sows its final hidden states instead
+        of returning logits, and ``vocab_tiling_linen_loss`` reduces them to the
+        summed weighted cross entropy, which is returned.
+        """
+        if targets is None:
+            return super().apply(variables, *args, model_mode=_model_mode(mode), **kwargs)
+        _, sown = super().apply(
+            variables, *args, model_mode=MODEL_MODE_TRAIN, mutable=["intermediates"], **kwargs
+        )
+        hidden = sown["intermediates"]["decoder"]["hidden_states"][0]
+        data = {"targets": targets, "targets_segmentation": target_weights}
+        loss, _ = vocab_tiling_linen_loss(hidden, data, self.config, self, variables, True)
+        return loss
 
     def __call__(  # type: ignore[override]
         self,
@@ -147,10 +170,27 @@ class NnxTransformer(Transformer):
         segment_ids: jax.Array,
         deterministic: bool = True,
         mode: str = "forward",
+        targets: jax.Array | None = None,
+        target_weights: jax.Array | None = None,
     ) -> jax.Array:
-        """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``."""
+        """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``.
+
+        With ``targets``, the summed weighted cross entropy as MaxText's trainer
+        computes it with ``num_vocab_tiling > 1``: the decoder sows its final hidden
+        states and ``vocab_tiling_nnx_loss`` reduces them.
+        """
         call = super().__call__
-        return _call_maxtext(call, tokens, positions, segment_ids, deterministic, _model_mode(mode))
+        if targets is None:
+            model_mode = _model_mode(mode)
+            return _call_maxtext(call, tokens, positions, segment_ids, deterministic, model_mode)
+        capturing = nnx.capture(call, nnx.Intermediate)
+        _, sown = _call_maxtext(
+            capturing, tokens, positions, segment_ids, deterministic, MODEL_MODE_TRAIN
+        )
+        (hidden,) = sown["decoder"]["hidden_states"].get_value()
+        data = {"targets": targets, "targets_segmentation": target_weights}
+        loss, _ = vocab_tiling_nnx_loss(self, hidden, data, self.config, True)
+        return loss
 
     def init_cache(self, batch_size: int) -> None:  # type: ignore[override]
         """Give every attention layer an empty KV cache for ``batch_size`` rows.

@@ -26,7 +26,7 @@ from conformance.decoding import decode_positions as decoding_positions
 from conformance.families import Family, QuantScope
 from conformance.training import NnxTrainer, NnxTrainState, split_batch
 from conformance.trees import restack as checkpoints_restack
-from conformance_models import nnx_layers
+from conformance_models import common, nnx_layers
 from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama import nnx_model as llama_nnx
@@ -263,6 +263,14 @@ def unmasked_loss(logits, batch):
         logits.astype(jnp.float32), batch.targets
     )
     return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
+
+
+_tiled_token_loss = common.tiled_token_loss
+
+
+def _tiled_loss_detached(head, hidden, targets, weights, tiles):
+    """``tiled_token_loss`` whose slices stop the gradient: the decoder learns nothing."""
+    return _tiled_token_loss(head, jax.lax.stop_gradient(hidden), targets, weights, tiles)
 
 
 class _ReshardedTrainState(NnxTrainState):
@@ -597,6 +605,12 @@ FAULTS = (
             "changes neither side",
         ),
         patch=(NnxTrainer, "loss", staticmethod(unmasked_loss)),
+    ),
+    Fault(
+        Llama(),
+        "vocab_tiling",
+        ("Linen one step on mesh", "untiled", "4 vocab tiles", "grads/layers/0/"),
+        patch=(common, "tiled_token_loss", _tiled_loss_detached),
     ),
     Fault(
         PsumOverWrongAxis(),

@@ -36,6 +36,7 @@ from conformance.quant_checks import (
 )
 from conformance.sharding import MeshSpec, parse_mesh
 from conformance.state_checks import check_state_hygiene
+from conformance.tiling_checks import check_vocab_tiling
 from conformance.train_checks import (
     check_grad_accumulation,
     check_hygiene,
@@ -81,6 +82,8 @@ def run_check(fault: Fault, workdir: Path, mesh: MeshSpec) -> None:
             check_train_step(family, config, mesh, devices)
         case "grad_accumulation":
             check_grad_accumulation(family, config, mesh, devices)
+        case "vocab_tiling":
+            check_vocab_tiling(family, config, mesh, devices)
         case "hygiene":
             check_hygiene(family, config, mesh, devices)
         case "state_hygiene":
