@@ -513,9 +513,11 @@ class Golden:
             try:
                 load(self.path)
             except GoldenError as err:
+                family, check = self.path.parent.parent.name, self.path.parent.name
                 pytest.fail(
-                    f"{err}\n  regenerate with: make goldens ARGS='-k \"{self.path.stem}\"' "
-                    "and review the diff before committing",
+                    f"{err}\n  regenerate with: python -m conformance --family {family} -m golden "
+                    f'--snapshot-update --tier full -k "{check} and {self.path.stem}" and '
+                    "review the diff before committing",
                     pytrace=False,
                 )
         index = self.path.relative_to(self.root).with_suffix("").as_posix()

@@ -54,7 +54,11 @@ def test_missing_golden_fails_and_says_how_to_create_it(project):
     result = pytester.runpytest("--conformance-family", "gpt3")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(
-        ["*missing golden *goldens/gpt3/shape/loop.json*", "*regenerate with: make goldens*"]
+        [
+            "*missing golden *goldens/gpt3/shape/loop.json*",
+            "*regenerate with: python -m conformance --family gpt3 -m golden --snapshot-update "
+            '--tier full -k "shape and loop"*',
+        ]
     )
 
 
