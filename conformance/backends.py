@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 from flax import nnx
+from flax.linen import fp8_ops
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
@@ -37,6 +38,10 @@ from conformance.trees import (
 )
 
 HIDDEN_STATES = "hidden_states"
+
+OVERWRITE = fp8_ops.OVERWRITE_WITH_GRADIENT
+"""Flax's collection (Linen) and Variable type name (NNX) of values a train step replaces
+with their gradient instead of optimising them: FP8 scales and amax histories."""
 
 
 class TransplantError(ValueError):
@@ -87,11 +92,17 @@ class LinenRunner:
             for path in flatten(tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
         }
         """What the module holds outside ``params``, by path within its collection."""
+        self.overwrite: dict[str, LeafSpec] = specs(
+            flatten(nn.meta.unbox(variables.get(OVERWRITE, {})))
+        )
+        """The module's FP8-style values a train step overwrites with their gradient
+        (Flax's ``_overwrite_with_gradient`` collection), by path; usually none."""
         self.logical: dict[str, Logical] = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
         self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
         self._forward = jax.jit(self._forward_impl)
         self._init_fns: dict[Any, Any] = {}
+        self._init_overwrite = jax.jit(self._init_overwrite_impl)
         self._quantize = jax.jit(lambda params: flatten(quantize_params(unflatten(params), boxed)))
 
     def tree(self, flat: Mapping[str, Any]) -> Any:
@@ -115,6 +126,16 @@ class LinenRunner:
             self._init_fns[key] = jax.jit(self._init_impl, out_shardings=out)
         batch = self.family.batch(self.config, 1)
         return flatten(self._init_fns[key](jax.random.key(seed), batch))
+
+    def _init_overwrite_impl(self, key: jax.Array, batch: Batch) -> Flat:
+        variables = self.module.init(key, *model_inputs(batch))
+        return flatten(nn.meta.unbox(variables.get(OVERWRITE, {})))
+
+    def init_overwrite(self) -> Flat:
+        """The :attr:`overwrite` values as ``init`` makes them (``{}`` when there are none)."""
+        if not self.overwrite:
+            return {}
+        return self._init_overwrite(jax.random.key(0), self.family.batch(self.config, 1))
 
     def _forward_impl(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
         logits, state = self.module.apply(

@@ -92,6 +92,8 @@ class Capabilities:
     vocab_tiling: bool = False
     """A training loss computed from the logits a few rows at a time, through
     :meth:`Family.vocab_tiling_config`."""
+    fp8: bool = False
+    """FP8 training with delayed scaling through :meth:`Family.fp8_config`."""
 
     @property
     def preferred_scan_layers(self) -> bool:
@@ -278,6 +280,18 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
+
+    def fp8_config(self, config: Any) -> Any:
+        """``config`` whose projections compute in FP8 with delayed scaling.
+
+        Flax's FP8 ops (``flax.linen.fp8_ops``; on NNX bridged with ``nnx.bridge``) keep
+        their scales and amax histories in the ``_overwrite_with_gradient`` collection
+        (Linen) or Variable type (NNX): a train step replaces them with their gradient,
+        which is their next value, and optimises only the parameters. Required with
+        ``Capabilities(fp8=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support FP8 training")
 
     def vocab_tiling_config(self, config: Any, tiles: int) -> Any:
         """``config`` whose training loss computes the logits ``tiles`` slices at a time.

@@ -43,6 +43,7 @@ from conformance.trees import (
     flatten,
     flatten_state,
     layer_table,
+    map_paths,
     map_state_paths,
     restack,
     specs,
@@ -111,6 +112,8 @@ def linen_and_nnx(
         nnx_trainer(family, config, micro_batches, quant, vocab_tiles),
     )
     mapping = param_map(family, check, config)
+    if lt.overwrite:
+        mapping |= map_paths(family.path_rules(config), lt.overwrite)
     linen_sh = shardings_for(family, check, lt.runner.logical, mesh, devices)
     if start is None:
         linen_params = lt.runner.init(0, linen_sh)
@@ -225,6 +228,15 @@ def check_train_step(
         counter = int(second[0]["optimizer/step"])
         if counter != step:
             fail(family, check, f"optimizer/step is {counter} after step {step}")
+
+
+def check_fp8_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """:func:`check_train_step` on the family's FP8 config (:meth:`Family.fp8_config`).
+
+    Each step's comparison covers the parameters' gradients and the whole next state,
+    which holds the FP8 scales and amax histories each side overwrote with its gradient.
+    """
+    check_train_step(family, family.fp8_config(config), mesh, devices, check="fp8_train_step")
 
 
 def _accumulation(

@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.nnx import variablelib
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conformance.backends import linen_runner, mesh_of, nnx_runner
+from conformance.backends import OVERWRITE, linen_runner, mesh_of, nnx_runner
 from conformance.families import Batch, Family
 from conformance.scope import scoped
 from conformance.sharding import Logical, nnx_logical
@@ -75,14 +76,31 @@ def loss_inputs(batch: Batch) -> dict[str, jax.Array]:
     return {"targets": batch.targets, "target_weights": target_weights(batch)}
 
 
-def mean_model_loss(loss_sum: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """A vocab-tiled module's summed loss as a mean over real targets, counted as one.
+def model_loss(loss_sum: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+    """A vocab-tiled module's own summed loss, and how many targets were real."""
+    return loss_sum.astype(jnp.float32), jnp.sum(target_weights(batch))
 
-    A step differentiates this mean, not the sum: the model's loss then receives a
-    cotangent of ``1 / targets``, as in a trainer that normalises before differentiating,
-    so a tiled loss whose backward pass ignores its cotangent cannot agree by accident.
+
+OverwriteWithGradient = variablelib.variable_type_from_name(OVERWRITE, allow_register=True)
+"""The NNX Variable type of :data:`OVERWRITE` (what ``nnx.bridge`` makes of the collection)."""
+
+
+def _objective(loss: LossFn, mean: bool) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
+    """``loss`` as differentiated: the sum and its count, or with ``mean`` the mean and 1.
+
+    A step differentiates the mean when the model's gradients depend on the cotangent
+    it receives: a vocab-tiled loss's hand-written backward, or FP8's output-gradient
+    amax history. Otherwise it differentiates the sum and divides the gradients by the
+    count, which lets micro-batches accumulate.
     """
-    return loss_sum.astype(jnp.float32) / jnp.sum(target_weights(batch)), jnp.ones(())
+    if not mean:
+        return loss
+
+    def mean_loss(outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        total, count = loss(outputs, batch)
+        return total / count, jnp.ones((), jnp.float32)
+
+    return mean_loss
 
 
 def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> Any:
@@ -156,12 +174,18 @@ class LinenTrainer:
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
         if self.tiled:
-            self.loss = mean_model_loss
+            self.loss = model_loss
+        self.overwrite = set(self.runner.overwrite)
+        """Paths of :data:`OVERWRITE` values, kept in the state's ``model`` beside params."""
+        _check_overwrite(bool(self.overwrite), micro_batches)
         self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
-        self.abstract_state = jax.eval_shape(self._create_impl, params)
+        overwrite = {
+            p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.overwrite.items()
+        }
+        self.abstract_state = jax.eval_shape(self._create_impl, params, overwrite)
         self.logical: dict[str, Logical] = {}
         for path in flatten(self.abstract_state):
             found = mirrored_param(path, self.runner.logical)
@@ -170,13 +194,17 @@ class LinenTrainer:
         self._create = jax.jit(self._create_impl)
 
     def initial_state(self, params: Flat) -> dict[str, Any]:
-        """A train state around ``params``: fresh optimizer state, step 0."""
-        return self._create(params)
+        """A train state around ``params``: fresh optimizer state, step 0.
 
-    def _create_impl(self, params: Flat) -> dict[str, Any]:
+        :data:`OVERWRITE` values, if the module has any, start as its ``init`` makes them.
+        """
+        return self._create(params, self.runner.init_overwrite())
+
+    def _create_impl(self, params: Flat, overwrite: Flat) -> dict[str, Any]:
         nested = unflatten(params)
         step = jnp.zeros((), jnp.int32)
-        return {"model": nested, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
+        model = unflatten({**params, **overwrite}) if overwrite else nested
+        return {"model": model, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
 
     def tree(self, by_path: Mapping[str, Any]) -> Any:
         """The train state's tree holding ``by_path``'s arrays or shardings, by path."""
@@ -191,9 +219,11 @@ class LinenTrainer:
         base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
         rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
-        def loss_fn(params: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
+        objective = _objective(self.loss, self.tiled or bool(self.overwrite))
+
+        def loss_fn(params: Any, overwrite: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
             logits = module.apply(
-                {"params": params},
+                {"params": params, **({OVERWRITE: overwrite} if overwrite else {})},
                 micro.tokens,
                 micro.positions,
                 micro.segment_ids,
@@ -201,16 +231,26 @@ class LinenTrainer:
                 **self.train_kwargs,
                 **(loss_inputs(micro) if self.tiled else {}),
             )
-            return self.loss(logits, micro)
+            return objective(logits, micro)
 
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (loss_sum, count), grads = self.accumulate(
-            lambda micro: grad_fn(state["model"], micro), batch, self.micro_batches, micro_sharding
+        params, overwrite = state["model"], {}
+        if self.overwrite:
+            flat = flatten(state["model"])
+            params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
+            overwrite = unflatten({p: v for p, v in flat.items() if p in self.overwrite})
+        grad_fn = functools.partial(
+            jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
+        )
+        (loss_sum, count), (grads, overwritten) = self.accumulate(
+            grad_fn, batch, self.micro_batches, micro_sharding
         )
         grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = self.tx.update(grads, opt["opt_state"], state["model"])
+        updates, opt_state = self.tx.update(grads, opt["opt_state"], params)
+        model = optax.apply_updates(params, updates)
+        if self.overwrite:
+            model = unflatten({**flatten(model), **flatten(overwritten)})
         new_state = {
-            "model": optax.apply_updates(state["model"], updates),
+            "model": model,
             "optimizer": {"opt_state": opt_state, "step": opt["step"] + 1},
         }
         return new_state, {"loss": loss_sum / count, "grads": grads}
@@ -276,7 +316,7 @@ class NnxTrainer:
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
         if self.tiled:
-            self.loss = mean_model_loss
+            self.loss = model_loss
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
@@ -284,6 +324,9 @@ class NnxTrainer:
             abstract, nnx.RngState, ...
         )
         self._vars = flatten_state(self.abstract_state)
+        self.overwrite = any(isinstance(v, OverwriteWithGradient) for v in self._vars.values())
+        """Whether the model holds :data:`OVERWRITE` Variables (kept in the state's model)."""
+        _check_overwrite(self.overwrite, micro_batches)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
         self._steps: dict[Any, Any] = {}
@@ -310,14 +353,20 @@ class NnxTrainer:
         streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
         train = nnx.merge(self.graphdef, streams, state)
 
+        objective = _objective(self.loss, self.tiled or self.overwrite)
+
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
             kwargs = {**self.train_kwargs, **(loss_inputs(micro) if self.tiled else {})}
-            return self.loss(self.forward(model, micro, kwargs), micro)
+            return objective(self.forward(model, micro, kwargs), micro)
 
-        grad_fn = nnx.value_and_grad(loss_fn, has_aux=True)
+        wrt = nnx.Any(nnx.Param, OverwriteWithGradient) if self.overwrite else nnx.Param
+        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
         (loss_sum, count), grads = self.accumulate(
             lambda micro: grad_fn(train.model, micro), batch, self.micro_batches, micro_sharding
         )
+        if self.overwrite:
+            grads, overwritten = nnx.split_state(grads, nnx.Param, OverwriteWithGradient)
+            nnx.update(train.model, overwritten)
         grads = jax.tree.map(lambda g: g / count, grads)
         train.optimizer.update(train.model, grads)
         return nnx.state(train, nnx.Not(nnx.RngState)), {"loss": loss_sum / count, "grads": grads}
@@ -325,6 +374,19 @@ class NnxTrainer:
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
         return _step_fns(self._steps, self._step, shardings)
+
+
+def _check_overwrite(overwrite: bool, micro_batches: int) -> None:
+    """Refuse micro-batches for a model with :data:`OVERWRITE` values.
+
+    Their gradient is the next value, not an increment: summed over micro-batches it
+    means nothing (MaxText rejects FP8 with gradient accumulation for this reason).
+    """
+    if overwrite and micro_batches != 1:
+        raise ValueError(
+            f"a model with {OVERWRITE} variables (FP8 scales and amax histories) "
+            "cannot accumulate gradients over micro-batches"
+        )
 
 
 def flat_state(state: Any) -> Flat:

@@ -58,12 +58,13 @@ def dot_general(mode: AqtMode, kernel_axis_names: Sequence[str]) -> aqt_flax.Aqt
 
 
 class BridgedDotGeneral(nnx.bridge.ToNNX):
-    """An ``AqtDotGeneral`` bridged into NNX, usable under ``nnx.capture``.
+    """A Linen dot-general module bridged into NNX, usable under ``nnx.capture``.
 
+    It bridges AQT's ``AqtDotGeneral`` and Flax's FP8 ``Fp8DirectDotGeneralOp``. In
     flax 0.12.12: ``nnx.capture`` sets a ``__captures__`` attribute on every submodule,
     and ``ToNNX`` hands all its attributes to Linen, which fails with "Cannot infer
-    collection name from value: (Intermediate(...),)". AQT sows nothing, so the attribute
-    is set aside for the duration of the call.
+    collection name from value: (Intermediate(...),)". These modules sow nothing, so the
+    attribute is set aside for the duration of the call.
     """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

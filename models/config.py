@@ -34,6 +34,9 @@ class TransformerConfig:
     dropout_rate: float = 0.0
     aqt_mode: str | None = None
     """``None`` (float projections) or an AQT int8 mode: ``train``, ``convert`` or ``serve``."""
+    fp8: bool = False
+    """Every projection computes in FP8 through Flax's delayed-scaling ops
+    (``nn.Fp8DirectDotGeneralOp``; bridged into NNX)."""
     vocab_tiles: int = 1
     """Slices a training call given ``targets`` computes its logits and loss in."""
 
@@ -47,6 +50,8 @@ class TransformerConfig:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.vocab_tiles < 1:
             raise ValueError(f"vocab_tiles must be at least 1, got {self.vocab_tiles}")
+        if self.fp8 and self.aqt_mode is not None:
+            raise ValueError("fp8 and aqt_mode are two ways to quantize: choose one")
         if self.aqt_mode not in (None, "train", "convert", "serve"):
             raise ValueError(
                 f"aqt_mode must be None, 'train', 'convert' or 'serve', got {self.aqt_mode!r}"

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 
 from conformance_models import aqt, common
 from conformance_models.common import EMBED_INIT, kernel_init
@@ -23,7 +24,9 @@ class DenseGeneral(nn.Module):
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
     bias (if ``use_bias``) is ``out_shape`` with the trailing names. With ``aqt_mode``
     the contraction runs through AQT int8 (:mod:`conformance_models.aqt`); in ``serve`` mode there
-    is no float kernel, only the frozen one in the ``aqt`` collection.
+    is no float kernel, only the frozen one in the ``aqt`` collection. With ``fp8`` it runs
+    through Flax's ``Fp8DirectDotGeneralOp``, whose scales and amax histories are in the
+    ``_overwrite_with_gradient`` collection.
     """
 
     in_shape: tuple[int, ...]
@@ -33,6 +36,7 @@ class DenseGeneral(nn.Module):
     param_dtype: Any
     use_bias: bool = False
     aqt_mode: aqt.AqtMode | None = None
+    fp8: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -52,11 +56,13 @@ class DenseGeneral(nn.Module):
         # it to pass quantized kernels through unchanged.
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
         contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
-        if self.aqt_mode is None:
-            y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
-        else:
+        if self.aqt_mode is not None:
             dot_general = aqt.dot_general(self.aqt_mode, self.axis_names)
             y = dot_general(x, kernel, (contract, ((), ())), None)
+        elif self.fp8:
+            y = nn.Fp8DirectDotGeneralOp()(x, kernel, (contract, ((), ())))
+        else:
+            y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
         if self.use_bias:
             bias = self.param(
                 "bias",
@@ -158,7 +164,7 @@ def apply_layers(
     if config.scan_layers:
         stack = nn.scan(
             block_cls,
-            variable_axes={"params": 0, "cache": 0, aqt.COLLECTION: 0},
+            variable_axes={"params": 0, "cache": 0, aqt.COLLECTION: 0, OVERWRITE_WITH_GRADIENT: 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,) * (len(args) + 2),
             length=config.num_layers,

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx
 
 from conformance_models import aqt, common
@@ -24,7 +25,9 @@ class DenseGeneral(nnx.Module):
     The kernel is ``in_shape + out_shape`` with logical names ``axis_names``; the
     bias (if ``use_bias``) is ``out_shape`` with the trailing names, else ``None``. With
     ``aqt_mode`` the contraction runs through AQT int8 (:mod:`conformance_models.aqt`, bridged from
-    Linen); in ``serve`` mode there is no float kernel, only the frozen one.
+    Linen); in ``serve`` mode there is no float kernel, only the frozen one. With ``fp8``
+    it runs through Flax's Linen ``Fp8DirectDotGeneralOp``, bridged: its scales and amax
+    histories are ``_overwrite_with_gradient`` Variables.
     """
 
     def __init__(
@@ -38,10 +41,12 @@ class DenseGeneral(nnx.Module):
         rngs: nnx.Rngs,
         use_bias: bool = False,
         aqt_mode: aqt.AqtMode | None = None,
+        fp8: bool = False,
     ) -> None:
         self.num_in = len(in_shape)
         self.dtype, self.param_dtype = dtype, param_dtype
         self.aqt_mode = aqt_mode
+        self.fp8 = fp8
         self.kernel_shape = in_shape + out_shape
         self.kernel: nnx.Param | None
         if aqt_mode == "serve":
@@ -55,15 +60,18 @@ class DenseGeneral(nnx.Module):
             self.bias = nnx.Param(bias_init(rngs.params(), out_shape, param_dtype))
         else:
             self.bias = nnx.data(None)
+        example = (
+            jnp.zeros((1, *in_shape), dtype),
+            jnp.zeros(self.kernel_shape, dtype),
+            ((tuple(range(1, 1 + self.num_in)), tuple(range(self.num_in))), ((), ())),
+        )
+        # Bridged submodules are named as Linen names them, so both backends' paths agree.
         if aqt_mode is not None:
-            # Named as Linen names the submodule, so both backends' paths agree.
             self.AqtDotGeneral_0 = aqt.BridgedDotGeneral(aqt.dot_general(aqt_mode, axis_names))
-            self.AqtDotGeneral_0.lazy_init(
-                jnp.zeros((1, *in_shape), dtype),
-                jnp.zeros(self.kernel_shape, dtype),
-                ((tuple(range(1, 1 + self.num_in)), tuple(range(self.num_in))), ((), ())),
-                None,
-            )
+            self.AqtDotGeneral_0.lazy_init(*example, None)
+        elif fp8:
+            self.Fp8DirectDotGeneralOp_0 = aqt.BridgedDotGeneral(nn.Fp8DirectDotGeneralOp())
+            self.Fp8DirectDotGeneralOp_0.lazy_init(*example)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the projection in ``dtype``."""
@@ -76,11 +84,13 @@ class DenseGeneral(nnx.Module):
         x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel), dtype=self.dtype)
         contract = (tuple(range(x.ndim - self.num_in, x.ndim)), tuple(range(self.num_in)))
         dimension_numbers = (contract, ((), ()))
-        if self.aqt_mode is None:
-            y = jax.lax.dot_general(x, kernel, dimension_numbers)
-        else:
+        if self.aqt_mode is not None:
             mutable = [aqt.COLLECTION] if self.aqt_mode == "convert" else False
             y = self.AqtDotGeneral_0(x, kernel, dimension_numbers, None, mutable=mutable)
+        elif self.fp8:
+            y = self.Fp8DirectDotGeneralOp_0(x, kernel, dimension_numbers)
+        else:
+            y = jax.lax.dot_general(x, kernel, dimension_numbers)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -31,6 +31,7 @@ class TransformerFamily(Family):
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         aqt=True,
         vocab_tiling=True,
+        fp8=True,
     )
     train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
@@ -64,6 +65,10 @@ class TransformerFamily(Family):
     def aqt_config(self, config: TransformerConfig, mode: str) -> TransformerConfig:
         """``config`` with every projection running through AQT int8 in ``mode``."""
         return dataclasses.replace(config, aqt_mode=mode)
+
+    def fp8_config(self, config: TransformerConfig) -> TransformerConfig:
+        """``config`` with every projection in FP8 (Flax's delayed-scaling ops)."""
+        return dataclasses.replace(config, fp8=True)
 
     def vocab_tiling_config(self, config: TransformerConfig, tiles: int) -> TransformerConfig:
         """``config`` whose training loss computes the output head ``tiles`` slices at a time."""

@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 
 from conformance import families
 from conformance.training import flat_state, linen_trainer, nnx_trainer, step_streams
@@ -48,3 +49,20 @@ def test_step_streams_are_a_function_of_the_step_alone():
     ]
     assert counts
     assert all(int(c) == 0 for c in counts)
+
+
+def test_fp8_state_holds_the_same_overwrite_values_on_both_sides():
+    family = families.get("llama")
+    config = family.fp8_config(family.config("tiny", scan_layers=False))
+    linen, nnx_ = linen_trainer(family, config), nnx_trainer(family, config)
+    overwrite = {p for p in flat_state(nnx_.abstract_state) if "Fp8DirectDotGeneralOp_0" in p}
+    assert len(overwrite) == len(linen.overwrite) == 6 * 15  # 7 projections x 2 layers + head
+    assert len(flat_state(nnx_.abstract_state)) == len(jax.tree.leaves(linen.abstract_state))
+
+
+@pytest.mark.parametrize("trainer", [linen_trainer, nnx_trainer])
+def test_fp8_refuses_micro_batches(trainer):
+    family = families.get("llama")
+    config = family.fp8_config(family.config("tiny", scan_layers=False))
+    with pytest.raises(ValueError, match="cannot accumulate gradients over micro-batches"):
+        trainer(family, config, 4)

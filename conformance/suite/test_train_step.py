@@ -1,11 +1,12 @@
 """Train step: parity across backends, accumulation, layout variants, hygiene, dropout,
-vocab tiling."""
+vocab tiling, FP8."""
 
 import pytest
 
 from conformance.tiling_checks import check_vocab_tiling
 from conformance.train_checks import (
     check_dropout,
+    check_fp8_train_step,
     check_grad_accumulation,
     check_hygiene,
     check_layout_invariance,
@@ -57,3 +58,10 @@ def test_dropout(family, scan_layers, primary_mesh):
 def test_vocab_tiling(family, mesh, scan_layers, device_mesh):
     config = family.config(family.device_size, scan_layers=scan_layers)
     check_vocab_tiling(family, config, mesh, device_mesh)
+
+
+@pytest.mark.capability("fp8")
+def test_fp8_train_step(family, scan_layers, primary_mesh):
+    mesh, devices = primary_mesh
+    config = family.config(family.device_size, scan_layers=scan_layers)
+    check_fp8_train_step(family, config, mesh, devices)

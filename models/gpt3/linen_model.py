@@ -66,6 +66,7 @@ class Attention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             name="qkv",
         )(x)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -79,6 +80,7 @@ class Attention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             name="out",
         )(out)
 
@@ -100,6 +102,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             name="wi",
         )(x)
         h = jax.nn.gelu(h)
@@ -111,6 +114,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             name="wo",
         )(h)
 

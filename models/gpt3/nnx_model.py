@@ -62,6 +62,7 @@ class Attention(nnx.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             rngs=rngs,
         )
         self.kv_cache = KVCache(cfg)
@@ -73,6 +74,7 @@ class Attention(nnx.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             rngs=rngs,
         )
 
@@ -97,6 +99,7 @@ class Mlp(nnx.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             rngs=rngs,
         )
         self.wo = DenseGeneral(
@@ -107,6 +110,7 @@ class Mlp(nnx.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             rngs=rngs,
         )
 

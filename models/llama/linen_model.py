@@ -50,7 +50,12 @@ class Attention(nn.Module):
     ) -> jax.Array:
         """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         cfg = self.config
-        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "aqt_mode": cfg.aqt_mode}
+        dense = {
+            "dtype": cfg.dtype,
+            "param_dtype": cfg.param_dtype,
+            "aqt_mode": cfg.aqt_mode,
+            "fp8": cfg.fp8,
+        }
         q_shape = (cfg.num_heads, cfg.head_dim)
         kv_shape = (cfg.num_kv_heads, cfg.head_dim)
         q = DenseGeneral(
@@ -80,7 +85,12 @@ class Mlp(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the MLP to ``x`` ``[b, s, d_model]``."""
         cfg = self.config
-        dense = {"dtype": cfg.dtype, "param_dtype": cfg.param_dtype, "aqt_mode": cfg.aqt_mode}
+        dense = {
+            "dtype": cfg.dtype,
+            "param_dtype": cfg.param_dtype,
+            "aqt_mode": cfg.aqt_mode,
+            "fp8": cfg.fp8,
+        }
         up_names = ("embed", "mlp")
         gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="gate")(x)
         up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="up")(x)
@@ -175,6 +185,7 @@ class Llama(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             name="lm_head",
         )
         if targets is not None:

@@ -55,6 +55,7 @@ class Attention(nnx.Module):
             "param_dtype": cfg.param_dtype,
             "rngs": rngs,
             "aqt_mode": cfg.aqt_mode,
+            "fp8": cfg.fp8,
         }
         q_shape = (cfg.num_heads, cfg.head_dim)
         kv_shape = (cfg.num_kv_heads, cfg.head_dim)
@@ -85,6 +86,7 @@ class Mlp(nnx.Module):
             "param_dtype": cfg.param_dtype,
             "rngs": rngs,
             "aqt_mode": cfg.aqt_mode,
+            "fp8": cfg.fp8,
         }
         self.gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
         self.up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), ("embed", "mlp"), **dense)
@@ -164,6 +166,7 @@ class Llama(nnx.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             aqt_mode=cfg.aqt_mode,
+            fp8=cfg.fp8,
             rngs=rngs,
         )
 

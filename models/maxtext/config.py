@@ -66,6 +66,9 @@ class MaxTextConfig:
     aqt_mode: str = ""
     """AQT int8 (MaxText's ``quantization: int8``) in this mode: ``train``, ``convert`` or
     ``serve``; empty for none."""
+    fp8: bool = False
+    """MaxText's ``quantization: fp8``: projections through Flax's FP8 ops (delayed
+    scaling), their scales and amax histories ``_overwrite_with_gradient`` values."""
     vocab_tiles: int = 1
     """MaxText's ``num_vocab_tiling``: a training loss computes its logits in this many
     slices (MaxText's ``vocab_tiling_*_loss``)."""
@@ -93,6 +96,8 @@ class MaxTextConfig:
             keys |= {"quantization": self.quantization, "use_qwix_quantization": True}
         if self.aqt_mode:
             keys |= {"quantization": "int8"}
+        if self.fp8:
+            keys |= {"quantization": "fp8"}
         if self.vocab_tiles > 1:
             keys |= {"num_vocab_tiling": self.vocab_tiles}
         return keys

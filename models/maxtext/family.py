@@ -63,6 +63,7 @@ class MaxTextFamily(Family):
         aqt=True,
         quantization=frozenset(MODES),
         vocab_tiling=True,
+        fp8=True,
     )
     train_rngs = ("dropout",)
 
@@ -157,6 +158,10 @@ class MaxTextFamily(Family):
             raise FamilyError(f"{self.name}: no AQT mode {mode!r}; modes: train, convert, serve")
         return dataclasses.replace(config, aqt_mode=mode)
 
+    def fp8_config(self, config: MaxTextConfig) -> MaxTextConfig:
+        """MaxText's ``quantization: fp8`` (Flax's ``Fp8DirectDotGeneralOp``)."""
+        return dataclasses.replace(config, fp8=True)
+
     def vocab_tiling_config(self, config: MaxTextConfig, tiles: int) -> MaxTextConfig:
         """MaxText's ``num_vocab_tiling: tiles``.
 
@@ -247,6 +252,12 @@ _VOCAB_TILING = MappingProxyType(
         "untiled, 9.49 tiled), on gemma2 and deepseek3 up to 122x and 154x; the loss itself is "
         "right, and both backends alike (tiled Linen and NNX agree to 1.1e-5)"
     }
+)
+_MOE_FP8 = (
+    "the routed MoE's dense path (layers/moe.py aqt_einsum) builds its einsum at call time "
+    "from the quantization, for FP8 a Linen module (quantizations._Fp8EinsumWrapper around "
+    "nn.Fp8Einsum), inside an NNX module: Linen trains, NNX raises 'Can't call compact "
+    "methods on unbound modules' in its first step"
 )
 _TINY = MappingProxyType({"base_num_decoder_layers": 2, "vocab_size": 256})
 _SMALL_ATTENTION = MappingProxyType(
@@ -340,6 +351,7 @@ class MaxTextDeepseek3(MaxTextFamily):
                 ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve"), _MOE_AQT_CALL
             ),
             "aqt_layout[loop]": _MOE_AQT_LAYOUT,
+            "fp8_train_step": _MOE_FP8,
             "grad_accumulation": "4 micro-batches against the whole batch: "
             + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(

@@ -227,6 +227,18 @@ class EmbeddingInitScale(Gpt3Family):
         return model
 
 
+class Fp8DroppedInOneProjection(LlamaFamily):
+    """NNX block 0's MLP up projection computes in float32 under an FP8 config.
+
+    It keeps its FP8 scales and amax histories, which then never see a value.
+    """
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[0].mlp.up.fp8 = False
+        return model
+
+
 class Llama(LlamaFamily):
     """An unchanged llama, for faults planted by a patch instead."""
 
@@ -611,6 +623,14 @@ FAULTS = (
         "vocab_tiling",
         ("Linen one step on mesh", "untiled", "4 vocab tiles", "grads/layers/0/"),
         patch=(common, "tiled_token_loss", _tiled_loss_detached),
+    ),
+    Fault(
+        Fp8DroppedInOneProjection(),
+        "fp8_train_step",
+        (
+            "step 1 of 3",
+            "state/model/layers/0/mlp/up/Fp8DirectDotGeneralOp_0/input_amax_history:",
+        ),
     ),
     Fault(
         PsumOverWrongAxis(),

@@ -38,6 +38,7 @@ from conformance.sharding import MeshSpec, parse_mesh
 from conformance.state_checks import check_state_hygiene
 from conformance.tiling_checks import check_vocab_tiling
 from conformance.train_checks import (
+    check_fp8_train_step,
     check_grad_accumulation,
     check_hygiene,
     check_optimizer_sharding,
@@ -84,6 +85,8 @@ def run_check(fault: Fault, workdir: Path, mesh: MeshSpec) -> None:
             check_grad_accumulation(family, config, mesh, devices)
         case "vocab_tiling":
             check_vocab_tiling(family, config, mesh, devices)
+        case "fp8_train_step":
+            check_fp8_train_step(family, config, mesh, devices)
         case "hygiene":
             check_hygiene(family, config, mesh, devices)
         case "state_hygiene":
