@@ -150,10 +150,11 @@ def check_aqt_layout(family: Family, config: Any, mesh: MeshSpec) -> dict[str, A
     fail_if_any(
         family, check, "serve parameters are not the float ones less the frozen kernels", problems
     )
-    _, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
+    rules = family.axis_rules(config)
+    _, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh, rules)
     serve = nnx_.serve_runner
     serve_map = param_map(family, check, family.aqt_config(config, "serve"))
-    _, serve_specs = agreed_specs(family, check, linen.serve_runner, serve, serve_map, mesh)
+    _, serve_specs = agreed_specs(family, check, linen.serve_runner, serve, serve_map, mesh, rules)
 
     return {
         "mesh": dict(mesh.axes),

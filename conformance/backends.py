@@ -22,7 +22,7 @@ from qwix import PtqProvider, QuantizationProvider, quantize_params
 from conformance.families import Batch, Family
 from conformance.quant import MODES, quantize_linen, quantize_nnx
 from conformance.scope import scoped
-from conformance.sharding import Logical, MeshSpec, linen_logical, nnx_logical, resolve_spec
+from conformance.sharding import Logical, linen_logical, nnx_logical
 from conformance.trees import (
     Flat,
     LeafSpec,
@@ -269,14 +269,6 @@ def path_map(family: Family, config: Any) -> dict[str, str]:
     mapping = map_paths(family.path_rules(config), linen.specs)
     check_bijection(mapping, nnx_.specs)
     return mapping
-
-
-def partition_specs(
-    logical: Mapping[str, Logical], family: Family, mesh: MeshSpec
-) -> dict[str, PartitionSpec]:
-    """Resolve every leaf's logical names with the family's rules on ``mesh``."""
-    rules = family.logical_axis_rules()
-    return {path: resolve_spec(names, rules, mesh) for path, names in logical.items()}
 
 
 def transplant(

@@ -24,7 +24,7 @@ from conformance.backends import (
     nnx_runner,
     transplant,
 )
-from conformance.families import Batch, Family
+from conformance.families import Batch, Family, LogicalRules
 from conformance.localise import Divergence, localise
 from conformance.numerics import compare_arrays, report, tolerance_for
 from conformance.sharding import (
@@ -109,10 +109,16 @@ def check_structure(family: Family, config: Any) -> dict[str, Any]:
 
 
 def resolve_all(
-    family: Family, check: str, logical: Mapping[str, Logical], mesh: MeshSpec
+    family: Family,
+    check: str,
+    logical: Mapping[str, Logical],
+    mesh: MeshSpec,
+    rules: LogicalRules,
 ) -> dict[str, PartitionSpec]:
-    """Resolve every leaf's logical names on ``mesh``; unknown names fail with their paths."""
-    rules = family.logical_axis_rules()
+    """Resolve every leaf's logical names with ``rules`` on ``mesh``.
+
+    Names no rule knows fail the check, each with its path.
+    """
     resolved, unknown = {}, []
     for path, names in logical.items():
         try:
@@ -134,9 +140,17 @@ def check_sharding(
     check = "sharding"
     if devices is not None:
         config = family.with_mesh(config, devices)
+        if tuple(family.axis_rules(config)) != tuple(family.logical_axis_rules()):
+            fail(
+                family,
+                check,
+                "axis_rules(config) of the device size differ from logical_axis_rules(), "
+                "which every array placed on devices follows",
+            )
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
-    linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
+    rules = family.axis_rules(config)
+    linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh, rules)
     if devices is not None:
         _check_placement(family, linen, linen_specs, devices, "Linen")
         _check_placement(family, nnx_, nnx_specs, devices, "NNX")
@@ -180,13 +194,14 @@ def agreed_specs(
     nnx_: Sharded,
     mapping: Mapping[str, str],
     mesh: MeshSpec,
+    rules: LogicalRules,
 ) -> tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]]:
-    """Both sides' resolved specs, failing unless they agree per leaf and split evenly.
+    """Both sides' specs resolved with ``rules``: equal per leaf and evenly split, or fail.
 
     Returns ``(Linen specs, NNX specs)``, each keyed by that side's paths.
     """
-    linen_specs = resolve_all(family, check, linen.logical, mesh)
-    nnx_specs = resolve_all(family, check, nnx_.logical, mesh)
+    linen_specs = resolve_all(family, check, linen.logical, mesh, rules)
+    nnx_specs = resolve_all(family, check, nnx_.logical, mesh, rules)
     problems = []
     for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
         if linen_specs[src] != nnx_specs[dst]:
@@ -227,8 +242,11 @@ def place_batch(family: Family, batch: Batch, mesh: MeshSpec, devices: Mesh) -> 
 def shardings_for(
     family: Family, check: str, logical: Mapping[str, Logical], mesh: MeshSpec, devices: Mesh
 ) -> dict[str, NamedSharding]:
-    """``{path: NamedSharding}`` from the logical names of one side (failures name ``check``)."""
-    specs = resolve_all(family, check, logical, mesh)
+    """``{path: NamedSharding}`` from the logical names of one side (failures name ``check``).
+
+    Resolved with :meth:`Family.logical_axis_rules`, as every array on devices is.
+    """
+    specs = resolve_all(family, check, logical, mesh, family.logical_axis_rules())
     return {path: NamedSharding(devices, spec) for path, spec in specs.items()}
 
 

@@ -76,7 +76,9 @@ def check_decode_cache(
     problems = structure_diff(linen.specs, nnx_.specs, mapping)
     counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
     fail_if_any(family, check, f"{len(problems)} cache difference(s) ({counts})", problems)
-    linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
+    linen_specs, nnx_specs = agreed_specs(
+        family, check, linen, nnx_, mapping, mesh, family.axis_rules(config)
+    )
     if devices is not None:
         for side, decoder, resolved in (("Linen", linen, linen_specs), ("NNX", nnx_, nnx_specs)):
             shardings = {p: NamedSharding(devices, s) for p, s in resolved.items()}

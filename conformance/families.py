@@ -198,6 +198,17 @@ class Family(abc.ABC):
     def logical_axis_rules(self) -> LogicalRules:
         """Return the logical-axis rules both backends are sharded with."""
 
+    def axis_rules(self, config: Any) -> LogicalRules:
+        """The logical-axis rules ``config``'s parameters are resolved with for sharding goldens.
+
+        By default :meth:`logical_axis_rules`, for every size. A family whose production
+        sizes bring their own rules (MaxText's model ymls) returns each config's. Arrays
+        placed on devices (the device size) always follow :meth:`logical_axis_rules`, so
+        for the device size the two must agree; ``sharding`` fails if they do not.
+        """
+        del config
+        return self.logical_axis_rules()
+
     def unavailable(self) -> str | None:
         """Why the family cannot run in this environment (one line), or ``None`` if it can.
 

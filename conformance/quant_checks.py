@@ -85,7 +85,9 @@ def check_quant_params(family: Family, config: Any, mesh: MeshSpec, quant: str) 
         if not qvalues:
             fail(family, check, f"{quant}: no parameter was quantized (no qvalue leaf)")
         fail_if_any(family, check, f"{quant}: qvalue leaves not of type {mode.qtype}", wrong)
-    _, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh)
+    _, nnx_specs = agreed_specs(
+        family, check, linen, nnx_, mapping, mesh, family.axis_rules(config)
+    )
     return {
         "mode": quant,
         "mesh": dict(mesh.axes),
@@ -222,7 +224,7 @@ def check_quant_hygiene(family: Family, config: Any, mesh: MeshSpec, quant: str)
         "NNX": len(jax.tree.leaves(nnx.state(quantized_model, nnx.Param))),
     }
     for side, runner in (("Linen", linen), ("NNX", nnx_)):
-        n_specs = len(resolve_all(family, check, runner.logical, mesh))
+        n_specs = len(resolve_all(family, check, runner.logical, mesh, family.axis_rules(config)))
         if leaves[side] != n_specs:
             fail(
                 family,

@@ -477,8 +477,9 @@ def check_optimizer_sharding(family: Family, config: Any, mesh: MeshSpec) -> dic
     """
     lt, nt = linen_trainer(family, config), nnx_trainer(family, config)
     mapping = map_state_paths(param_map(family, "optimizer_sharding", config), lt.logical)
-    linen_specs = resolve_all(family, "optimizer_sharding", lt.logical, mesh)
-    nnx_specs = resolve_all(family, "optimizer_sharding", nt.logical, mesh)
+    rules = family.axis_rules(config)
+    linen_specs = resolve_all(family, "optimizer_sharding", lt.logical, mesh, rules)
+    nnx_specs = resolve_all(family, "optimizer_sharding", nt.logical, mesh, rules)
     shapes = specs(flat_state(nt.abstract_state))
     problems = []
     for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
