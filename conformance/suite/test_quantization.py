@@ -31,6 +31,20 @@ def test_quant_hygiene(family, scan_layers, quant, primary_mesh):
     )
 
 
+TOPOLOGY_MODE = "qat_fp8"
+"""The Qwix mode ``quant_hygiene_topology`` quantizes production sizes with (fp8, as the
+large training workloads do)."""
+
+
+def test_quant_hygiene_topology(family, full_size, topology):
+    """Production sizes in the preferred layout, abstractly: nothing transient is left."""
+    if TOPOLOGY_MODE not in family.capabilities.quantization:
+        pytest.skip(f"{family.name} does not declare {TOPOLOGY_MODE}")
+    layout = family.capabilities.preferred_scan_layers
+    config = family.config(full_size, scan_layers=layout)
+    check_quant_hygiene(family, config, topology, TOPOLOGY_MODE)
+
+
 @pytest.mark.quant_method("qat")
 def test_qat_train_step(family, mesh, scan_layers, quant, device_mesh):
     config = family.config(family.device_size, scan_layers=scan_layers)
