@@ -140,16 +140,16 @@ def check_sharding(
     check = "sharding"
     if devices is not None:
         config = family.with_mesh(config, devices)
-        if tuple(family.axis_rules(config)) != tuple(family.logical_axis_rules()):
-            fail(
-                family,
-                check,
-                "axis_rules(config) of the device size differ from logical_axis_rules(), "
-                "which every array placed on devices follows",
-            )
+    rules = family.axis_rules(config)
+    if devices is not None and tuple(rules) != tuple(family.logical_axis_rules()):
+        fail(
+            family,
+            check,
+            "axis_rules(config) of the device size differ from logical_axis_rules(), "
+            "which every array placed on devices follows",
+        )
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     mapping = param_map(family, check, config)
-    rules = family.axis_rules(config)
     linen_specs, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh, rules)
     if devices is not None:
         _check_placement(family, linen, linen_specs, devices, "Linen")

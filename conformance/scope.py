@@ -140,11 +140,10 @@ def mapping_limit() -> int | None:
         return None
 
 
-def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
-    """Memoise ``factory`` (hashable arguments) in the active :class:`Scope`.
+def _memoised[**P, R](factory: Callable[P, R], result: bool) -> Callable[P, R]:
+    """``factory`` memoised in the active scope, keyed by its bound arguments.
 
-    Calls are keyed by their bound arguments, defaults applied: ``f(a)`` and ``f(a, 1)``
-    share one result when 1 is the default.
+    Defaults are applied: ``f(a)`` and ``f(a, 1)`` share one value when 1 is the default.
     """
     signature = inspect.signature(factory)
 
@@ -152,23 +151,19 @@ def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
     def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return current().get(factory, bound.args, bound.kwargs)
+        return current().get(factory, bound.args, bound.kwargs, result=result)
 
     return memoised
+
+
+def scoped[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
+    """Memoise ``factory`` (hashable arguments) in the active :class:`Scope`."""
+    return _memoised(factory, result=False)
 
 
 def kept[**P, R](factory: Callable[P, R]) -> Callable[P, R]:
     """Memoise ``factory``, whose results hold no compiled program, in the active scope.
 
-    Unlike :func:`scoped` values, they outlive ``release(keep_results=True)``; calls
-    are keyed as by :func:`scoped`.
+    Unlike :func:`scoped` values, they outlive ``release(keep_results=True)``.
     """
-    signature = inspect.signature(factory)
-
-    @functools.wraps(factory)
-    def memoised(*args: P.args, **kwargs: P.kwargs) -> R:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return current().get(factory, bound.args, bound.kwargs, result=True)
-
-    return memoised
+    return _memoised(factory, result=True)

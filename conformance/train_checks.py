@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from conformance.attribution import attribution_text, one_device
-from conformance.backends import transplant
+from conformance.backends import TransplantError, transplant
 from conformance.checks import (
     BATCH_SIZE,
     fail,
@@ -239,56 +239,87 @@ def check_fp8_train_step(family: Family, config: Any, mesh: MeshSpec, devices: M
     check_train_step(family, family.fp8_config(config), mesh, devices, check="fp8_train_step")
 
 
-def _accumulation(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, start: Flat | None = None
+def _plain_and_variant(
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    check: str,
+    variant: Mapping[str, Any],
+    start: Flat | None = None,
 ) -> tuple[Flat, tuple[StepResult, StepResult], tuple[StepResult, StepResult]]:
-    """One step of both sides on the whole batch and on micro-batches: ``(start, whole, parts)``."""
+    """One step of both sides, plain and with ``variant``: ``(start, plain, varied)``.
+
+    ``variant`` holds keywords of :func:`linen_and_nnx`; both steps start from the same
+    parameters.
+    """
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    check = "grad_accumulation"
     linen, nnx_side, mapping = linen_and_nnx(
         family, config, mesh, devices, check=check, start=start
     )
     start = params_of(flat_state(linen.state))
-    whole = advance(linen, nnx_side, mapping, batch)
-    split = linen_and_nnx(family, config, mesh, devices, MICRO_BATCHES, check=check, start=start)
-    return start, whole, advance(*split, batch)
+    plain = advance(linen, nnx_side, mapping, batch)
+    try:
+        varied = linen_and_nnx(family, config, mesh, devices, check=check, start=start, **variant)
+    except TransplantError as err:
+        fail(family, check, f"the parameters change with {dict(variant)}: {err}")
+    return start, plain, advance(*varied, batch)
 
 
-def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
-    """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
+def check_step_variant(
+    family: Family,
+    config: Any,
+    mesh: MeshSpec,
+    devices: Mesh,
+    check: str,
+    names: tuple[str, str],
+    variant: Mapping[str, Any],
+) -> None:
+    """One step with ``variant`` (keywords of :func:`linen_and_nnx`) equals the plain step.
 
-    Holds on each backend, and across backends for the accumulated step. A failure also
-    says whether each result agrees with the same step on one device.
+    Holds on each backend, and across backends for the varied step; ``names`` name the
+    plain and the varied step in reports. A failure also says whether each result
+    agrees with the same step on one device.
     """
-    start, whole, parts = _accumulation(family, config, mesh, devices)
+    start, plain, varied = _plain_and_variant(family, config, mesh, devices, check, variant)
 
     @functools.cache
     def reference() -> tuple[Any, ...]:
         one = one_device(mesh)
-        return _accumulation(family, config, one, one.devices(), start)[1:]
+        return _plain_and_variant(family, config, one, one.devices(), check, variant, start)[1:]
 
     what = f"one step on mesh {mesh.id}"
-    names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
     for i, side in enumerate(("Linen", "NNX")):
         compare_steps(
             family,
-            "grad_accumulation",
+            check,
             f"{side} {what}",
-            whole[i],
-            parts[i],
+            plain[i],
+            varied[i],
             names,
             mesh=mesh,
             reference=functools.partial(lambda i: tuple(r[i] for r in reference()), i),
         )
     compare_steps(
         family,
-        "grad_accumulation",
-        f"{MICRO_BATCHES} micro-batches, {what}",
-        parts[0],
-        parts[1],
+        check,
+        f"{names[1]}, {what}",
+        varied[0],
+        varied[1],
         mesh=mesh,
         reference=lambda: reference()[1],
     )
+
+
+def check_grad_accumulation(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+    """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
+
+    Holds on each backend, and across backends for the accumulated step
+    (:func:`check_step_variant`).
+    """
+    names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
+    variant = {"micro_batches": MICRO_BATCHES}
+    check_step_variant(family, config, mesh, devices, "grad_accumulation", names, variant)
 
 
 def advance(

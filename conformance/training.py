@@ -85,15 +85,18 @@ OverwriteWithGradient = variablelib.variable_type_from_name(OVERWRITE, allow_reg
 """The NNX Variable type of :data:`OVERWRITE` (what ``nnx.bridge`` makes of the collection)."""
 
 
-def _objective(loss: LossFn, mean: bool) -> Callable[[Any, Batch], tuple[jax.Array, jax.Array]]:
-    """``loss`` as differentiated: the sum and its count, or with ``mean`` the mean and 1.
+def _objective(loss: LossFn, tiled: bool, overwrite: bool) -> LossFn:
+    """What a step differentiates: ``loss`` summed with its count, or a mean counted as 1.
 
+    A vocab-tiled model computes its loss itself (:func:`model_loss` replaces ``loss``).
     A step differentiates the mean when the model's gradients depend on the cotangent
     it receives: a vocab-tiled loss's hand-written backward, or FP8's output-gradient
-    amax history. Otherwise it differentiates the sum and divides the gradients by the
-    count, which lets micro-batches accumulate.
+    amax history (``overwrite``). Otherwise it differentiates the sum and divides the
+    gradients by the count, which lets micro-batches accumulate.
     """
-    if not mean:
+    if tiled:
+        loss = model_loss
+    if not (tiled or overwrite):
         return loss
 
     def mean_loss(outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
@@ -173,8 +176,6 @@ class LinenTrainer:
         self.runner = linen_runner(family, config, quant)
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
-        if self.tiled:
-            self.loss = model_loss
         self.overwrite = set(self.runner.overwrite)
         """Paths of :data:`OVERWRITE` values, kept in the state's ``model`` beside params."""
         _check_overwrite(bool(self.overwrite), micro_batches)
@@ -219,7 +220,7 @@ class LinenTrainer:
         base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
         rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
-        objective = _objective(self.loss, self.tiled or bool(self.overwrite))
+        objective = _objective(self.loss, self.tiled, bool(self.overwrite))
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
             logits = module.apply(
@@ -315,8 +316,6 @@ class NnxTrainer:
         self.runner = nnx_runner(family, config, quant)
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
-        if self.tiled:
-            self.loss = model_loss
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
@@ -353,7 +352,7 @@ class NnxTrainer:
         streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
         train = nnx.merge(self.graphdef, streams, state)
 
-        objective = _objective(self.loss, self.tiled or self.overwrite)
+        objective = _objective(self.loss, self.tiled, self.overwrite)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
             kwargs = {**self.train_kwargs, **(loss_inputs(micro) if self.tiled else {})}
