@@ -246,8 +246,9 @@ _VOCAB_TILING = MappingProxyType(
         "by the loss cotangent but not the hidden states' gradient, so with a mean loss the "
         "gradients below the output head come out too large: on gpt3 and llama2 exactly 92x, "
         "the number of real targets in the harness's batch (llama2's query kernel: 0.103 "
-        "untiled, 9.49 tiled), on gemma2 and deepseek3 up to 122x and 154x; the loss itself is "
-        "right, and both backends alike (tiled Linen and NNX agree to 1.1e-5)"
+        "untiled, 9.49 tiled), about 92x on gemma2's local-attention query kernel and up "
+        "to 154x on deepseek3; the loss itself is right, and both backends alike (tiled "
+        "Linen and NNX agree to 1.1e-5)"
     }
 )
 _MOE_FP8 = (
@@ -361,12 +362,20 @@ class MaxTextDeepseek3(MaxTextFamily):
 
 
 class MaxTextGemma2(MaxTextFamily):
-    """A tiny ``gemma2-2b``: local (sliding window 4) and global attention, soft caps."""
+    """A tiny ``gemma2-2b``: local (sliding window 4) and global attention, soft caps.
+
+    One decoder layer: MaxText's gemma2 layer is a local then a global attention block
+    (``base_num_decoder_layers`` counts pairs), so one holds both kinds. A second pair
+    doubled the cost of every unrolled-layer test; the other families' two layers cover
+    layer stacking.
+    """
 
     name = "maxtext-gemma2"
     model_name = "gemma2-2b"
     sizes = ("tiny", "gemma2-27b")
-    overrides = MappingProxyType({**_SMALL_ATTENTION, "sliding_window_size": 4})
+    overrides = MappingProxyType(
+        {**_SMALL_ATTENTION, "sliding_window_size": 4, "base_num_decoder_layers": 1}
+    )
     known_divergences = MappingProxyType(
         {
             **_VOCAB_TILING,
@@ -375,7 +384,7 @@ class MaxTextGemma2(MaxTextFamily):
                 "mlp_{local,global}/{wi_0,wi_1,wo}/kernel"
             ),
             "grad_accumulation": "4 micro-batches against the whole batch: "
-            + _PARTITIONED.format(gap=0.17, leaf="self_attention_local/query/kernel")
+            + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel")
             + "; on fsdp=8, "
             + _BF16_ATTEND,
             "decode_consistency": "MaxText's sliding-window mask in autoregressive mode "
@@ -383,10 +392,10 @@ class MaxTextGemma2(MaxTextFamily):
             "generated ones), not positions, so a local-attention layer's window is wrong "
             "for every right-padded row: decode step 0 differs from the full forward in every "
             "row by up to 3.6 in the logits, on both backends alike (decode itself agrees)",
-            "layout[scan_layers]": "scanned against unrolled layers: "
-            + _PARTITIONED.format(gap=0.17, leaf="self_attention_local/query/kernel"),
+            "layout[data2-fsdp2-tensor2-scan_layers]": "scanned against unrolled layers: "
+            + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
-                gap=0.17, leaf="self_attention_local/query/kernel"
+                gap=0.15, leaf="self_attention_local/query/kernel"
             ),
         }
     )
