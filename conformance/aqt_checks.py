@@ -32,8 +32,9 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.numerics import EXACT, compare_arrays, compare_trees
 from conformance.quant_checks import check_error_bound, float_params
+from conformance.records import failed
 from conformance.sharding import MeshSpec
 from conformance.train_checks import check_train_step
 from conformance.trees import PathMapError, map_paths, structure_diff
@@ -78,7 +79,7 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
             (linen_params, nnx_params),
             quantized=True,
         )
-        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(family, check, failed(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} AQT int8 TRAIN on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, AQT_MAX_ERROR)
@@ -183,7 +184,7 @@ def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     mismatches = compare_trees(moved, nnx_frozen)
     if mismatches:
         title = f"frozen kernels (qvalue, scale) after CONVERT on mesh {mesh.id}"
-        fail(family, check, report(title, mismatches, ("Linen", "NNX")))
+        fail(family, check, failed(title, mismatches, ("Linen", "NNX")))
     for side, logits, trained in (
         ("Linen", linen_logits, linen_runner(family, train).forward(linen_params, batch)[0]),
         ("NNX", nnx_logits, nnx_train.forward(nnx_params, batch)[0]),
@@ -191,7 +192,7 @@ def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
         found = compare_arrays("logits", trained, logits, EXACT)
         if found is not None:
             title = f"{side} CONVERT forward vs TRAIN forward on mesh {mesh.id}"
-            fail(family, check, report(title, [found], ("TRAIN", "CONVERT")))
+            fail(family, check, failed(title, [found], ("TRAIN", "CONVERT")))
 
 
 def check_aqt_serve(
@@ -234,7 +235,7 @@ def check_aqt_serve(
         mismatches = compare_trees(tree, restored, EXACT)
         if mismatches:
             title = f"{side} AQT serve tree after an orbax round trip"
-            fail(family, check, report(title, mismatches, ("saved", "restored")))
+            fail(family, check, failed(title, mismatches, ("saved", "restored")))
         prefix = f"{COLLECTION}/"
         served = aqt.serve(
             {p.removeprefix("params/"): v for p, v in restored.items() if p.startswith("params/")},
@@ -246,4 +247,4 @@ def check_aqt_serve(
             title = (
                 f"{side} SERVE forward from the restored tree vs CONVERT forward on mesh {mesh.id}"
             )
-            fail(family, check, report(title, [found], ("CONVERT", "SERVE")))
+            fail(family, check, failed(title, [found], ("CONVERT", "SERVE")))

@@ -23,7 +23,8 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.numerics import EXACT, compare_arrays, compare_trees
+from conformance.records import failed
 from conformance.sharding import MeshSpec
 from conformance.train_checks import Side, advance, compare_steps, linen_and_nnx
 from conformance.training import flat_state, linen_trainer, nnx_trainer
@@ -136,7 +137,7 @@ def check_checkpoint_conversion(
     after = dst.runner.forward(params, batch)[0]
     found = compare_trees({"logits": before}, {"logits": after})
     if found:
-        fail(family, check, report(f"forward after {what}", found, ("original", "converted")))
+        fail(family, check, failed(f"forward after {what}", found, ("original", "converted")))
 
     # The reference next step runs on the source backend in the target layout, so that
     # only the backend conversion is compared: scanned and unrolled layers round

@@ -26,7 +26,15 @@ from conformance.backends import (
 )
 from conformance.families import Batch, Family, LogicalRules
 from conformance.localise import Divergence, localise
-from conformance.numerics import compare_arrays, report, tolerance_for
+from conformance.numerics import (
+    Mismatch,
+    Tolerance,
+    compare_arrays,
+    compare_trees,
+    report,
+    tolerance_for,
+)
+from conformance.records import emit, emit_verdict, listening, measure
 from conformance.sharding import (
     Logical,
     MeshSpec,
@@ -314,6 +322,29 @@ def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any
     )
 
 
+def _measure_forward(
+    title: str, a: ForwardResult, b: ForwardResult, tol: Tolerance, found: Mismatch | None
+) -> None:
+    """Emit each block's hidden-state error (when both sides sow them), then the logits'."""
+    if not listening():
+        return
+    figure = f"forward: error per decoder block ({a.logits.dtype})"
+
+    def where(x: str) -> dict[str, str]:
+        return {"figure": figure, "series": title, "x": x}
+
+    if a.hidden is not None and b.hidden is not None and a.hidden.shape == b.hidden.shape:
+        for i in range(a.hidden.shape[0]):
+            trees = {f"hidden_states[{i}]": a.hidden[i]}, {f"hidden_states[{i}]": b.hidden[i]}
+            mismatches = compare_trees(*trees, tol)
+            x = f"block {i}"
+            emit(measure(f"{title}: {x}", *trees, mismatches, tolerance=tol, **where(x)))
+    # The logits' verdict is the check's own (it may have used a wider reference).
+    emit_verdict(
+        f"{title}: logits", "logits", a.logits, b.logits, found, tolerance=tol, **where("logits")
+    )
+
+
 def check_forward(
     family: Family,
     config: Any,
@@ -340,6 +371,7 @@ def check_forward(
         "Linen params -> NNX": (linen_own, _moved(family, linen_own, mapping, nnx_, nnx_sh)),
         "NNX params -> Linen": (_moved(family, nnx_own, inverse, linen, linen_sh), nnx_own),
     }
+    compared = []
     for direction, (linen_params, nnx_params) in directions.items():
         a = ForwardResult(*linen.forward(linen_params, batch))
         b = ForwardResult(*nnx_.forward(nnx_params, batch))
@@ -348,23 +380,26 @@ def check_forward(
         if found is not None and reference_config is not None:
             ref = linen_runner(family, reference_config).forward(linen_params, batch)[0]
             found = compare_arrays("logits", a.logits, b.logits, tol, reference=ref)
-        if found is not None:
-            rules = family.path_rules(config)
-            found_module = localise(linen, nnx_, linen_params, nnx_params, batch, mapping, rules)
-            where = (
-                found_module.describe() if isinstance(found_module, Divergence) else found_module
-            )
-            if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
-                where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
-            moved = forward_attribution(
-                family, config, mesh, (a.logits, b.logits), (linen_params, nnx_params)
-            )
-            fail(
-                family,
-                "forward",
-                report(f"{direction} on mesh {mesh.id}", [found], ("Linen", "NNX"))
-                + f"\n  {where}\n  {moved}",
-            )
+        _measure_forward(f"{direction} on mesh {mesh.id}", a, b, tol, found)
+        compared.append((direction, linen_params, nnx_params, a, b, tol, found))
+    # Both directions are measured first; the first that disagrees is the verdict.
+    for direction, linen_params, nnx_params, a, b, tol, found in compared:
+        if found is None:
+            continue
+        rules = family.path_rules(config)
+        found_module = localise(linen, nnx_, linen_params, nnx_params, batch, mapping, rules)
+        where = found_module.describe() if isinstance(found_module, Divergence) else found_module
+        if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
+            where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
+        moved = forward_attribution(
+            family, config, mesh, (a.logits, b.logits), (linen_params, nnx_params)
+        )
+        fail(
+            family,
+            "forward",
+            report(f"{direction} on mesh {mesh.id}", [found], ("Linen", "NNX"))
+            + f"\n  {where}\n  {moved}",
+        )
 
 
 def forward_attribution(

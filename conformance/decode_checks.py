@@ -39,7 +39,14 @@ from conformance.decoding import (
     prompt_batch,
 )
 from conformance.families import Family
-from conformance.numerics import Mismatch, compare_arrays, compare_trees, report, tolerance_for
+from conformance.numerics import (
+    Mismatch,
+    compare_arrays,
+    compare_trees,
+    report,
+    tolerance_for,
+)
+from conformance.records import emit_verdict
 from conformance.scope import scoped
 from conformance.sharding import MeshSpec, spec_to_json
 from conformance.trees import Flat, PathMapError, map_paths, structure_diff
@@ -214,9 +221,11 @@ def check_decode_consistency(family: Family, config: Any, mesh: MeshSpec, device
         names = ("forward", side)
         width = gen.prefill_logits.shape[1]
         expected = _prompt_only(served.forward_logits[:, :width], gen.lengths)
-        found = compare_arrays(
-            "logits", expected, _prompt_only(gen.prefill_logits, gen.lengths), tol
-        )
+        prefill = _prompt_only(gen.prefill_logits, gen.lengths)
+        found = compare_arrays("logits", expected, prefill, tol)
+        plot = {"names": names, "tolerance": tol, "series": side}
+        plot["figure"] = f"{check}: error per stage against the forward, mesh {mesh.id}"
+        emit_verdict(f"{side} prefill", "logits", expected, prefill, found, x="prefill", **plot)
         if found is not None:
             title = (
                 f"{side} prefill vs the full-sequence forward on mesh {mesh.id} "
@@ -226,6 +235,10 @@ def check_decode_consistency(family: Family, config: Any, mesh: MeshSpec, device
         for step in range(DECODE_STEPS):
             expected = _at_step(served.forward_logits, gen.lengths, step)
             found = compare_arrays("logits", expected, gen.step_logits[step], tol)
+            x = f"step {step}"
+            emit_verdict(
+                f"{side} {x}", "logits", expected, gen.step_logits[step], found, x=x, **plot
+            )
             if found is not None:
                 title = f"{side} {_step_title(found, gen.lengths, step)}"
                 fail(family, check, report(f"{title} vs the full forward", [found], names))
@@ -243,12 +256,14 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
     cache_map = map_paths(family.path_rules(config), linen.caches[0])
     tol = tolerance_for(linen.prefill_logits.dtype)
     names = ("Linen", "NNX")
-    found = compare_arrays(
-        "logits",
+    prefills = (
         _prompt_only(linen.prefill_logits, linen.lengths),
         _prompt_only(nnx_.prefill_logits, nnx_.lengths),
-        tol,
     )
+    found = compare_arrays("logits", *prefills, tol)
+    plot = {"names": names, "tolerance": tol, "series": "Linen vs NNX"}
+    plot["figure"] = f"{check}: error per stage, mesh {mesh.id}"
+    emit_verdict("prefill", "logits", *prefills, found, x="prefill", **plot)
     if found is not None:
         title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
         where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol)
@@ -256,7 +271,10 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
         fail(family, check, report(title, [found], names) + where + f"\n  {moved}")
     _check_tokens(family, linen, nnx_, 0, "prefill")
     for step in range(DECODE_STEPS):
-        found = compare_arrays("logits", linen.step_logits[step], nnx_.step_logits[step], tol)
+        logits = linen.step_logits[step], nnx_.step_logits[step]
+        found = compare_arrays("logits", *logits, tol)
+        x = f"step {step}"
+        emit_verdict(x, "logits", *logits, found, x=x, **plot)
         if found is not None:
             title = f"{_step_title(found, linen.lengths, step)} on mesh {mesh.id}"
             where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol)

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 from conformance.attribution import noise_masked, on_host, one_device
 from conformance.checks import BATCH_SIZE, fail, place_batch
 from conformance.families import Family
-from conformance.numerics import compare_trees, report
+from conformance.numerics import compare_trees
+from conformance.records import failed
 from conformance.scope import kept, scoped
 from conformance.sharding import MeshSpec
 from conformance.train_checks import advance, linen_and_nnx, params_of, step_tree
@@ -89,7 +90,7 @@ def check_sharding_invariance(
         fail(
             family,
             CHECK,
-            report(title, found, ("one device", f"mesh {mesh.id}"))
+            failed(title, found, ("one device", f"mesh {mesh.id}"))
             + f"\n  {backend} computes differently when partitioned on mesh {mesh.id}. "
             "Sharding annotations choose where data lives, never what is computed: this is a "
             "partitioning problem (an annotation or constraint that XLA's SPMD partitioner "

@@ -33,8 +33,9 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.numerics import EXACT, compare_arrays, compare_trees
 from conformance.quant import MODES, unused_rules
+from conformance.records import failed
 from conformance.sharding import MeshSpec
 from conformance.trees import (
     Flat,
@@ -165,7 +166,7 @@ def check_quant_forward(
         mismatches = compare_trees(moved, nnx_q)
         if mismatches:
             title = f"{quant} quantized parameters on mesh {mesh.id}"
-            fail(family, check, report(title, mismatches, ("Linen", "NNX")))
+            fail(family, check, failed(title, mismatches, ("Linen", "NNX")))
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
     reference = np.asarray(linen_runner(family, config).forward(linen_float, batch)[0])
     linen_logits = np.asarray(linen.forward(linen_q, batch)[0])
@@ -176,7 +177,7 @@ def check_quant_forward(
         moved = forward_attribution(
             family, config, mesh, (linen_logits, nnx_logits), (linen_q, nnx_q), quant
         )
-        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(family, check, failed(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} {quant} on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, mode.max_error)
@@ -271,10 +272,10 @@ def check_quant_checkpoint(
         mismatches = compare_trees(params, restored, EXACT)
         if mismatches:
             title = f"{side} {quant} parameters after an orbax round trip"
-            fail(family, check, report(title, mismatches, ("saved", "restored")))
+            fail(family, check, failed(title, mismatches, ("saved", "restored")))
         found = compare_arrays(
             "logits", runner.forward(params, batch)[0], runner.forward(restored, batch)[0], EXACT
         )
         if found is not None:
             title = f"{side} {quant} forward after an orbax round trip"
-            fail(family, check, report(title, [found], ("saved", "restored")))
+            fail(family, check, failed(title, [found], ("saved", "restored")))

@@ -29,6 +29,7 @@ from conformance.checks import (
 )
 from conformance.families import Batch, Family
 from conformance.numerics import compare_trees, report
+from conformance.records import emit, listening, measure
 from conformance.sharding import MeshSpec, indivisible, spec_to_json
 from conformance.training import (
     LinenTrainer,
@@ -160,16 +161,69 @@ def compare_steps(
     With ``mesh`` and ``reference`` (the same two steps on one device, computed only on
     failure), the report says which side computes differently when partitioned.
     """
+    message = step_disagreement(what, first, second, names, mesh=mesh, reference=reference)
+    if message is not None:
+        fail(family, check, message)
+
+
+def step_disagreement(
+    what: str,
+    first: StepResult,
+    second: StepResult,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    *,
+    mesh: MeshSpec | None = None,
+    reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
+    figure: str = "",
+    series: str = "",
+) -> str | None:
+    """:func:`compare_steps`' failure report, or ``None`` when the steps agree.
+
+    Emits the error of each leaf group (:func:`leaf_group`) as a measurement of
+    ``figure`` (default ``what``), line ``series`` (default ``what``).
+    """
     pair = (step_tree(first), step_tree(second))
     mismatches = compare_trees(*pair)
+    if listening():
+        for group, (a, b) in _by_group(*pair).items():
+            found = [m for m in mismatches if leaf_group(m.path) == group]
+            emit(
+                measure(
+                    f"{what}: {group}",
+                    a,
+                    b,
+                    found,
+                    names=names,
+                    figure=figure or what,
+                    series=series or what,
+                    x=group,
+                )
+            )
     if not mismatches:
-        return
+        return None
     message = report(what, mismatches, names)
     if mesh is not None and reference is not None:
         message += "\n  " + attribution_text(
             mesh, names, pair, lambda: tuple(step_tree(r) for r in reference())
         )
-    fail(family, check, message)
+    return message
+
+
+def leaf_group(path: str) -> str:
+    """The group a step leaf is plotted in: its module, at most four components deep.
+
+    ``grads/decoder/layers_0/mlp/wi/kernel`` is in ``grads/decoder/layers_0/mlp``;
+    ``loss`` is a group of its own.
+    """
+    return "/".join(path.split("/")[:-1][:4]) or path
+
+
+def _by_group(first: Flat, second: Flat) -> dict[str, tuple[Flat, Flat]]:
+    groups: dict[str, tuple[Flat, Flat]] = {}
+    for path in sorted(set(first) & set(second)):
+        a, b = groups.setdefault(leaf_group(path), ({}, {}))
+        a[path], b[path] = first[path], second[path]
+    return groups
 
 
 def _train_steps(
@@ -215,19 +269,26 @@ def check_train_step(
         return _train_steps(family, config, one, one.devices(), quant, check, start)[1]
 
     mode = "" if quant is None else f" ({quant})"
+    failures = []
     for step, (first, second) in enumerate(steps, start=1):
-        compare_steps(
-            family,
-            check,
+        # Every step is measured, so a report shows how the error grows; the first
+        # failing step's report (with its one-device attribution) is the verdict.
+        message = step_disagreement(
             f"step {step} of {STEPS}{mode} on mesh {mesh.id}",
             first,
             second,
             mesh=mesh,
-            reference=functools.partial(lambda i: reference()[i], step - 1),
+            reference=None if failures else functools.partial(lambda i: reference()[i], step - 1),
+            figure=f"{check}{mode}: error per leaf group and step, mesh {mesh.id}",
+            series=f"step {step}",
         )
         counter = int(second[0]["optimizer/step"])
-        if counter != step:
-            fail(family, check, f"optimizer/step is {counter} after step {step}")
+        if message is None and counter != step:
+            message = f"optimizer/step is {counter} after step {step}"
+        if message is not None:
+            failures.append(message)
+    if failures:
+        fail(family, check, failures[0])
 
 
 def check_fp8_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
