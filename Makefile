@@ -10,6 +10,10 @@ MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
 ## TIER chooses how much of the suite runs: smoke, default or full (see README "Tiers").
 TIER ?= default
 BUILTIN := --family gpt3 --family llama
+## REPORT=DIR writes report.json, report.md, report.html and junit.xml there, merged over
+## every process that writes to DIR (see README "Reports").
+REPORT ?=
+REPORT_ARG := $(if $(REPORT),--report $(abspath $(REPORT)))
 
 .PHONY: setup setup-maxtext parity test test-maxtext lint goldens goldens-maxtext benchmark clean
 
@@ -33,14 +37,15 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt constraints-maxtext.txt
 ## The main job: the built-in families' parity run in one process, a progress line per
 ## family x check, then the agreement matrix. Exit 5 (nothing selected) is a failure too.
 parity: $(STAMP)
-	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(ARGS)
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(REPORT_ARG) $(ARGS)
 
 ## The parity run, then the harness's own tests (units and the planted-fault catalogue,
 ## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).
 test: $(STAMP)
 	@status=0; \
-	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(ARGS) || status=$$?; \
-	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) || status=$$?; \
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(REPORT_ARG) $(ARGS) || status=$$?; \
+	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) \
+	  $(if $(REPORT),--conformance-report $(abspath $(REPORT))) || status=$$?; \
 	exit $$status
 
 ## The MaxText families alone, in the maxtext venv (the default run skips them there).
@@ -53,7 +58,7 @@ MAXTEXT_READY := import sys; from conformance.families import select; \
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -c '$(MAXTEXT_READY)'
 	$(MAXTEXT_VENV)/bin/python -m conformance $(foreach f,$(MAXTEXT_FAMILIES),--family '$(f)') \
-	  --tier $(TIER) $(ARGS)
+	  --tier $(TIER) $(REPORT_ARG) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

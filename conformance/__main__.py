@@ -14,7 +14,15 @@ from collections.abc import Sequence
 
 import pytest
 
-SHORT_OPTIONS = ("--family", "--mesh", "--topology", "--tier", "--xla-opt", "--progress")
+SHORT_OPTIONS = (
+    "--family",
+    "--mesh",
+    "--topology",
+    "--tier",
+    "--xla-opt",
+    "--progress",
+    "--report",
+)
 """Plugin options this command takes without their ``--conformance-`` prefix."""
 
 

@@ -28,6 +28,9 @@ from conformance.environment import XLA_OPT_LEVELS, configure_host_platform, set
 from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
 from conformance.progress import CompileClock, Progress
 from conformance.quant import MODES
+from conformance.report.collector import ReportCollector
+from conformance.report.model import header as report_header
+from conformance.report.model import matrix_rows
 from conformance.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
 from conformance.tiers import DEFAULT_TIER, TIERS, Tier, TierError, get_tier
 
@@ -91,6 +94,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "the default) or full (as production code compiles, for a nightly job)",
     )
     group.addoption(
+        "--conformance-report",
+        default=None,
+        metavar="DIR",
+        help="write report.json, report.md, report.html (with divergence plots) and "
+        "junit.xml to DIR, merged with the reports of other processes writing there",
+    )
+    group.addoption(
         "--conformance-progress",
         action="store_true",
         help="print one line per family x check as it runs instead of a character per test",
@@ -119,7 +129,7 @@ def selects_suite(config: pytest.Config) -> bool:
     no XLA flags, no devices, no parametrization, no report.
     """
     defaults = {"family": [], "mesh": [], "topology": [], "tier": DEFAULT_TIER}
-    defaults |= {"xla_opt": "low", "progress": False}
+    defaults |= {"xla_opt": "low", "progress": False, "report": None}
     if any(_option(config, name) != default for name, default in defaults.items()):
         return True
     suite = Path(conformance.suite.__file__).parent
@@ -202,6 +212,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SessionReport(config), "conformance-report")
     config.pluginmanager.register(ScopePerGroup(), "conformance-scopes")
     config.pluginmanager.register(CompileClock(), "conformance-compiles")
+    if (directory := _option(config, "report")) is not None:
+        header = report_header(
+            tier.name,
+            [m.id for m in run_meshes(config)],
+            _option(config, "xla_opt"),
+            [f.name for f in config.stash[_FAMILIES]],
+        )
+        command = [str(config.invocation_params.dir), *config.invocation_params.args]
+        collector = ReportCollector(Path(directory).resolve(), header, command)
+        config.pluginmanager.register(collector, "conformance-report-files")
     if _option(config, "progress"):
         header = _header(config) if config.option.verbose < 0 else []
         progress = Progress(header, _progress_label)
@@ -623,19 +643,7 @@ def unused_goldens(config: pytest.Config) -> list[Path]:
 
 def agreement_matrix(results: dict[tuple[str, str], dict[str, int]]) -> list[str]:
     """The family x check table, one row per family; a cell reads ``agreed/run (extras)``."""
-    families = sorted({f for f, _ in results})
-    checks = sorted({c for _, c in results})
-
-    def cell(counts: dict[str, int]) -> str:
-        run = counts["passed"] + counts["failed"]
-        text = f"{counts['passed']}/{run}" if run else "-"
-        extras = [f"{counts[k]}{k[0]}" for k in ("failed", "skipped", "xfailed") if counts[k]]
-        return text + (f" ({' '.join(extras)})" if extras else "")
-
-    rows = [["family", *checks]]
-    rows += [
-        [f, *(cell(results[f, c]) if (f, c) in results else "" for c in checks)] for f in families
-    ]
+    rows = matrix_rows(results)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
 

@@ -1,10 +1,14 @@
 """The plugin's promises, checked by running pytest on a throwaway project."""
 
+import json
+
 import pytest
 
 from conformance.__main__ import expand
 
 GOLDEN_TEST = """
+import json
+
 import pytest
 
 from conformance.__main__ import expand
@@ -131,6 +135,8 @@ def test_agreement_matrix_is_printed(project):
 def test_quant_test_without_a_matching_mode_skips_naming_method_and_declared_modes(pytester):
     pytester.makepyfile(
         test_quant="""
+import json
+
 import pytest
 
 from conformance.__main__ import expand
@@ -178,6 +184,8 @@ def test_progress_prints_a_line_per_family_and_check(project):
 
 HOST_TEST = """
 import os
+import json
+
 import pytest
 
 from conformance.__main__ import expand
@@ -230,3 +238,34 @@ def test_builtin_families_can_be_left_out_by_ini(pytester):
 )
 def test_main_takes_the_plugin_options_without_their_prefix(argv, expanded):
     assert expand(argv) == expanded
+
+
+MEASURING_TEST = """
+import numpy as np
+
+from conformance.records import emit, measure
+
+def test_measured(family):
+    a = np.ones(2, np.float32)
+    emit(measure("close", {"a": a}, {"a": a + np.float32(1e-6)}, figure="f", x="0"))
+
+def test_planted(family):
+    assert False, "planted failure"
+"""
+
+
+def test_the_report_carries_measurements_from_xdist_workers(pytester):
+    pytester.makeini("[pytest]\nconformance_goldens = goldens\n")
+    pytester.makepyfile(test_measuring=MEASURING_TEST)
+    out = pytester.path / "out"
+    args = ("--conformance-family", "gpt3", "-n", "2", "--conformance-report", str(out))
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    report = json.loads((out / "report.json").read_text())
+    tests = {t["check"]: t for t in report["tests"]}
+    assert tests["planted"]["outcome"] == "failed"
+    assert "planted failure" in tests["planted"]["message"]
+    (measured,) = tests["measured"]["measurements"]
+    assert measured["passed"]
+    assert 0 < measured["used"] < 1
+    assert "| gpt3 | 1/1 | 0/1 (1f) |" in (out / "report.md").read_text()

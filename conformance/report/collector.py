@@ -1,0 +1,142 @@
+"""The pytest plugin that records a run for its report (``--conformance-report DIR``).
+
+It collects each test's outcome, duration, failure text and the measurements its checks
+emitted (:mod:`conformance.records`), writes the process's part when the session ends
+and re-renders the merged report. Under pytest-xdist the workers measure and the
+controller writes: measurements travel on the test reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance import records
+from conformance.report import render
+from conformance.report.model import (
+    Json,
+    RecordedTest,
+    ReportError,
+    case_of,
+    measurement_json,
+    write_part,
+)
+
+_MEASURED = pytest.StashKey[list[records.Measurement]]()
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Hold ``root``'s lock: processes finishing together render one after the other."""
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _outcome(report: pytest.TestReport) -> tuple[str, str] | None:
+    """``(outcome, message)`` a phase decides, or ``None`` if the phase decides nothing."""
+    decisive = report.when == "call" or not report.passed
+    if not decisive:
+        return None
+    if hasattr(report, "wasxfail"):
+        return ("xfailed", report.wasxfail) if report.skipped else ("xpassed", report.wasxfail)
+    if report.failed:
+        return ("failed" if report.when == "call" else "error"), report.longreprtext
+    if report.skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        return "skipped", reason.removeprefix("Skipped: ")
+    return "passed", ""
+
+
+class ReportCollector:
+    """Records every test of this process; writes its part and the merged report at the end."""
+
+    def __init__(self, root: Path, header: Json, command: list[str]) -> None:
+        self.root = root
+        self.run: Json = {"command": command, **header}
+        self.tests: dict[str, RecordedTest] = {}
+        self.started = time.time()
+        self.written: Json | None = None
+        self.error: str | None = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Any:
+        """Collect the measurements the test's checks emit."""
+        with records.collecting() as found:
+            try:
+                return (yield)
+            finally:
+                item.stash[_MEASURED] = found
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+        """Put the call's measurements on its report, as JSON values (they cross processes)."""
+        report = yield
+        if call.when == "call":
+            found = item.stash.get(_MEASURED, [])
+            report.conformance_measurements = [measurement_json(m) for m in found]
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Fold one phase of a test into its record."""
+        record = self.tests.setdefault(report.nodeid, RecordedTest(report.nodeid))
+        key = dict(report.user_properties).get("conformance")
+        if key is not None:
+            record.family, record.check = key
+            record.case = case_of(report.nodeid, record.family)
+        record.duration_s += report.duration
+        record.measurements += getattr(report, "conformance_measurements", [])
+        decided = _outcome(report)
+        if decided is not None and record.outcome in ("passed", "skipped"):
+            record.outcome, record.message = decided
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Write this process's part, then the report merged from every part in the directory.
+
+        Runs last, so the exit status includes the plugin's own verdicts (unused goldens).
+        """
+        if hasattr(session.config, "workerinput"):
+            return
+        self.run |= {
+            "started": datetime.datetime.fromtimestamp(self.started, datetime.UTC).isoformat(),
+            "duration_s": round(time.time() - self.started, 3),
+            "exit_status": int(session.exitstatus),
+        }
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with _locked(self.root):
+                write_part(self.root, self.run, self.tests.values())
+                self.written = render.write(self.root)
+        except (OSError, ReportError) as err:
+            # A report CI cannot publish must not pass unnoticed; the tests' own verdicts
+            # stand, so only a passing run turns into a failing one.
+            self.error = f"{err}"
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Say where the report is and how much it covers."""
+        if self.error is not None:
+            terminalreporter.write_line(
+                f"conformance report: not written to {self.root}/: {self.error} (remove the "
+                "directory, or the part named, and run again)",
+                red=True,
+            )
+        if self.written is not None:
+            runs, tests = len(self.written["runs"]), len(self.written["tests"])
+            files = ", ".join(render.FILES)
+            terminalreporter.write_line(
+                f"conformance report: {self.root}/ ({files}): {tests} tests from {runs} process(es)"
+            )

@@ -1,0 +1,234 @@
+"""A run's report as plain JSON values: each process writes a part, parts merge into one.
+
+A process's part holds its header (versions, platform, devices, tier, meshes, command)
+and one record per test. Parts live in ``DIR/parts/``, named after the command that
+wrote them, so running the same command again replaces its part and running another
+command beside it (``make test``'s two processes, CI's MaxText processes) adds one.
+:func:`merge` reads every part into the report ``report.json`` holds; start from an
+empty directory for a report of one run only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from conformance.numerics import Mismatch, Tolerance
+from conformance.records import Measurement
+
+SCHEMA_ID = "conformance-report/1"
+"""The ``schema`` field of every report; ``schema.json`` beside this module describes it."""
+SCHEMA_PATH = Path(__file__).with_name("schema.json")
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "aqtp", "maxtext")
+
+Json = dict[str, Any]
+
+
+def number(value: float) -> float | str:
+    """``value`` as JSON holds it: a number, or ``"Infinity"``, ``"-Infinity"``, ``"NaN"``."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float(value)
+
+
+def to_float(value: float | str) -> float:
+    """The inverse of :func:`number`."""
+    return float(value) if not isinstance(value, str) else float(value.lower())
+
+
+def _tolerance(tol: Tolerance) -> Json:
+    return {"atol": tol.atol, "rtol": tol.rtol}
+
+
+def mismatch_json(m: Mismatch) -> Json:
+    """One failing leaf: path, worst index, both values there, errors and tolerance."""
+    return {
+        "path": m.path,
+        "index": list(m.index),
+        "first": number(m.first),
+        "second": number(m.second),
+        "count": m.count,
+        "size": m.size,
+        "max_abs": number(m.max_abs),
+        "max_rel": number(m.max_rel),
+        "tolerance": _tolerance(m.tolerance),
+        "reason": m.reason,
+        "missing_on": m.missing_on,
+        "shapes": None if m.shapes is None else [list(s) for s in m.shapes],
+    }
+
+
+def measurement_json(m: Measurement) -> Json:
+    """One comparison's numbers (:class:`~conformance.records.Measurement`) as JSON."""
+    return {
+        "title": m.title,
+        "names": list(m.names),
+        "passed": m.passed,
+        "max_abs": number(m.max_abs),
+        "max_rel": number(m.max_rel),
+        "used": number(m.used),
+        "tolerance": _tolerance(m.tolerance),
+        "figure": m.figure,
+        "series": m.series,
+        "x": m.x,
+        "mismatches": [mismatch_json(x) for x in m.mismatches],
+    }
+
+
+@dataclasses.dataclass
+class RecordedTest:
+    """What a report says about one test, built up from its setup, call and teardown."""
+
+    nodeid: str
+    family: str | None = None
+    check: str | None = None
+    case: str | None = None
+    outcome: str = "passed"
+    duration_s: float = 0.0
+    message: str = ""
+    measurements: list[Json] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> Json:
+        """The record as ``report.json`` holds it."""
+        return {**dataclasses.asdict(self), "duration_s": round(self.duration_s, 3)}
+
+
+def case_of(nodeid: str, family: str | None) -> str | None:
+    """The parameter id of a suite test, without its family: ``data2-fsdp2-tensor2-scan``."""
+    if "[" not in nodeid:
+        return None
+    case = nodeid[nodeid.index("[") + 1 : nodeid.rindex("]")]
+    return case.removeprefix(f"{family}-") if family else case
+
+
+def header(tier: str, meshes: Sequence[str], xla_opt: str, families: Sequence[str]) -> Json:
+    """A process's run header: library versions, platform and devices, tier and meshes."""
+    import jax
+
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    devices = jax.devices()
+    return {
+        "versions": versions,
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "device_count": len(devices),
+        "process_count": jax.process_count(),
+        "tier": tier,
+        "meshes": list(meshes),
+        "xla_opt": xla_opt,
+        "families": list(families),
+    }
+
+
+def part_name(command: Sequence[str]) -> str:
+    """The file a process's part is kept in: one per distinct command line."""
+    digest = hashlib.sha256("\0".join(command).encode()).hexdigest()[:16]
+    return f"{digest}.json"
+
+
+def write_part(root: Path, run: Json, tests: Iterable[RecordedTest]) -> Path:
+    """Write one process's part under ``root/parts`` (atomically) and return its path."""
+    parts = root / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    path = parts / part_name(run["command"])
+    scratch = path.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps({"run": run, "tests": [t.to_json() for t in tests]}))
+    scratch.replace(path)
+    return path
+
+
+class ReportError(Exception):
+    """A report directory holds a part that cannot be read."""
+
+
+def merge(root: Path) -> Json:
+    """The report of every part under ``root/parts``: runs in start order, then tests."""
+    parts = []
+    for path in sorted((root / "parts").glob("*.json")):
+        try:
+            part = json.loads(path.read_text())
+            if not isinstance(part, dict) or not {"run", "tests"} <= part.keys():
+                raise ValueError("not a report part (no 'run' and 'tests')")
+        except (OSError, ValueError) as err:
+            raise ReportError(f"cannot read report part {path}: {err}") from None
+        parts.append(part)
+    parts.sort(key=lambda p: p["run"].get("started", ""))
+    tests = [t for p in parts for t in p["tests"]]
+    totals = Counter(t["outcome"] for t in tests)
+    return {
+        "schema": SCHEMA_ID,
+        "runs": [p["run"] for p in parts],
+        "summary": {o: totals.get(o, 0) for o in OUTCOMES},
+        "tests": tests,
+    }
+
+
+def suite_tests(report: Mapping[str, Any]) -> list[Json]:
+    """The report's tests that ran a check on a family (the matrix's tests)."""
+    return [t for t in report["tests"] if t["family"] and t["check"]]
+
+
+def cells(report: Mapping[str, Any]) -> dict[tuple[str, str], Counter[str]]:
+    """Outcome counts per ``(family, check)``."""
+    found: dict[tuple[str, str], Counter[str]] = {}
+    for t in suite_tests(report):
+        found.setdefault((t["family"], t["check"]), Counter())[t["outcome"]] += 1
+    return found
+
+
+def cell_text(counts: Mapping[str, int]) -> str:
+    """A matrix cell: ``agreed/run``, then failures, skips and expected failures."""
+    run = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("error", 0)
+    text = f"{counts.get('passed', 0)}/{run}" if run else "-"
+    extras = [
+        f"{counts[k]}{k[0]}" for k in ("failed", "error", "skipped", "xfailed") if counts.get(k)
+    ]
+    return text + (f" ({' '.join(extras)})" if extras else "")
+
+
+def matrix_rows(results: Mapping[tuple[str, str], Mapping[str, int]]) -> list[list[str]]:
+    """The family x check table: a header row, then one row of :func:`cell_text` per family."""
+    families = sorted({f for f, _ in results})
+    checks = sorted({c for _, c in results})
+    rows = [["family", *checks]]
+    rows += [
+        [f, *(cell_text(results[f, c]) if (f, c) in results else "" for c in checks)]
+        for f in families
+    ]
+    return rows
+
+
+def headroom(report: Mapping[str, Any]) -> dict[tuple[str, str], float]:
+    """Per ``(family, check)``, the largest share of its tolerance an agreeing comparison used.
+
+    Only checks that measure (forward, train steps, decode) appear; 0 means every
+    comparison was exact.
+    """
+    worst: dict[tuple[str, str], float] = {}
+    for t in suite_tests(report):
+        for m in t["measurements"]:
+            if m["passed"]:
+                key = (t["family"], t["check"])
+                worst[key] = max(worst.get(key, 0.0), to_float(m["used"]))
+    return worst
+
+
+def failures(report: Mapping[str, Any]) -> list[Json]:
+    """The tests that failed or errored, in report order."""
+    return [t for t in report["tests"] if t["outcome"] in ("failed", "error", "xpassed")]

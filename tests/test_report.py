@@ -1,0 +1,237 @@
+"""The report files: produced for a run with one planted failure, merged across processes.
+
+Two processes write into one report directory, as ``make test`` does: one runs a
+family with a planted fault (NNX's rotary base differs, so the forward diverges from
+block 0 on and training follows), the other a correct family. The merged report must
+validate against the schema, hold the failure's mismatches and plots, keep the
+passing comparisons' headroom, and its HTML page must render in a headless browser.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance.numerics import Mismatch, Tolerance
+from conformance.records import Measurement, collecting, emit, error_stats, failed, measure
+from conformance.report import plots, render
+from conformance.report.model import (
+    SCHEMA_PATH,
+    RecordedTest,
+    ReportError,
+    measurement_json,
+    merge,
+    write_part,
+)
+
+FAULTY = "llama-rope-base"
+FAMILY_MODULE = f'''
+from tests.faults.catalogue import RopeBase
+
+
+class LlamaRopeBase(RopeBase):
+    """Planted fault: NNX builds its rotary embedding with another base."""
+
+    name = "{FAULTY}"
+'''
+ENTRY_POINTS = f"[conformance.families]\n{FAULTY} = report_faults:LlamaRopeBase\n"
+REPO = Path(__file__).parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def install_faulty_family(site: Path) -> None:
+    """A throwaway distribution registering the planted-fault family by entry point."""
+    (site / "report_faults.py").write_text(FAMILY_MODULE)
+    info = site / "report_faults-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: report-faults\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+
+
+def run_suite(project: Path, site: Path, report: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "conformance", "--tier", "smoke", "--report", str(report)]
+    return subprocess.run(
+        [*command, *args], cwd=project, env=env, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def report_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    site, project, report = root / "site", root / "project", root / "out"
+    site.mkdir()
+    project.mkdir()
+    install_faulty_family(site)
+    (project / "pytest.ini").write_text("[pytest]\nconformance_goldens = goldens\n")
+    faulty = run_suite(project, site, report, "--family", FAULTY, "-k", "test_forward")
+    assert faulty.returncode == 1, faulty.stdout[-5000:] + faulty.stderr[-3000:]
+    assert "conformance report:" in faulty.stdout
+    correct = run_suite(project, site, report, "--family", "gpt3", "-k", "test_forward")
+    assert correct.returncode == 0, correct.stdout[-5000:] + correct.stderr[-3000:]
+    return report
+
+
+def test_the_report_merges_both_processes_and_validates(report_dir):
+    jsonschema = pytest.importorskip("jsonschema")
+    report = json.loads((report_dir / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+    assert len(report["runs"]) == 2
+    assert {r["families"][0] for r in report["runs"]} == {FAULTY, "gpt3"}
+    outcomes = {(t["family"], t["check"]): t["outcome"] for t in report["tests"]}
+    assert outcomes == {(FAULTY, "forward"): "failed", ("gpt3", "forward"): "passed"}
+
+
+def test_the_failure_carries_its_mismatches_and_where_it_starts(report_dir):
+    report = json.loads((report_dir / "report.json").read_text())
+    (failure,) = [t for t in report["tests"] if t["outcome"] == "failed"]
+    assert failure["message"].startswith(f"{FAULTY} forward:")
+    failing = [m for m in failure["measurements"] if not m["passed"]]
+    assert failing[0]["x"] == "block 0", "the rotary base changes block 0's attention"
+    leaf = failing[0]["mismatches"][0]
+    assert leaf["path"] == "hidden_states[0]"
+    assert leaf["first"] != leaf["second"]
+    assert leaf["tolerance"] == {"atol": 1e-5, "rtol": 1.3e-6}
+
+
+def test_the_failure_has_a_plot_and_passes_keep_their_headroom(report_dir):
+    pngs = sorted((report_dir / "plots").glob("*.png"))
+    assert pngs
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in pngs)
+    assert any(FAULTY in p.name and "forward" in p.name for p in pngs)
+    markdown = (report_dir / "report.md").read_text()
+    assert "## Headroom of agreeing comparisons" in markdown
+    assert "| gpt3 | forward |" in markdown
+    assert f"### {FAULTY} forward" in markdown
+
+
+def test_junit_lists_both_processes_tests(report_dir):
+    suite = ET.parse(report_dir / "junit.xml").getroot().find("testsuite")
+    assert suite.get("tests") == "2"
+    assert suite.get("failures") == "1"
+    (failure,) = suite.iter("failure")
+    assert FAULTY in failure.get("message")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_the_html_page_renders_the_matrix_in_a_headless_browser(report_dir, tmp_path):
+    page = (report_dir / "report.html").resolve().as_uri()
+    browser = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    dom = subprocess.run(
+        [*browser, "--dump-dom", page], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    assert '<table id="matrix">' in dom
+    assert FAULTY in dom
+    assert dom.count("data:image/png;base64,") >= 1
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [*browser, f"--screenshot={shot}", "--window-size=1200,900", page],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    pixels = matplotlib_image.imread(shot)
+    assert pixels.shape[:2] == (900, 1200)
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20, "a blank page"
+
+
+def test_error_stats_measure_the_share_of_the_tolerance_used():
+    tol = Tolerance(1e-5, 1e-2)
+    max_abs, max_rel, used = error_stats(np.array([1.0, 2.0]), np.array([1.0, 2.01]), tol)
+    assert max_abs == pytest.approx(0.01)
+    assert max_rel == pytest.approx(0.01 / 2.01)
+    assert used == pytest.approx(0.01 / (1e-5 + 1e-2 * 2.01))
+    assert error_stats(np.array([np.nan]), np.array([1.0]), tol)[2] == float("inf")
+    assert error_stats(np.array([np.nan]), np.array([np.nan]), tol) == (0.0, 0.0, 0.0)
+
+
+def test_measurements_go_only_to_a_collecting_block():
+    m = measure("t", {"a": np.zeros(3)}, {"a": np.zeros(3)})
+    emit(m)  # nobody listens: dropped
+    with collecting() as found:
+        emit(m)
+        text = failed("t2", [_mismatch()])
+    assert [x.title for x in found] == ["t", "t2"]
+    assert found[0].passed
+    assert not found[1].passed
+    assert text.startswith("t2: 1 leaf(s) disagree")
+
+
+def _mismatch() -> Mismatch:
+    return Mismatch("w", (0,), 1.0, 2.0, 1, 4, 1.0, 0.5, Tolerance(1e-5, 1.3e-6))
+
+
+def _record(nodeid: str, outcome: str, message: str = "x" * 100) -> RecordedTest:
+    bad = Measurement(
+        "t",
+        ("Linen", "NNX"),
+        1.0,
+        0.5,
+        9.0,
+        Tolerance(1e-5, 0),
+        "f",
+        "s",
+        "block 1",
+        (_mismatch(),),
+    )
+    good = Measurement(
+        "t", ("Linen", "NNX"), 0.0, 0.0, 0.0, Tolerance(1e-5, 0), "f", "s", "block 0"
+    )
+    return RecordedTest(
+        nodeid,
+        "fam",
+        "forward",
+        "case",
+        outcome,
+        1.0,
+        message,
+        [measurement_json(good), measurement_json(bad)],
+    )
+
+
+def test_a_rerun_of_one_command_replaces_its_part(tmp_path):
+    run = {"command": ["a"], "started": "1"}
+    write_part(tmp_path, run, [_record("t::a[fam-case]", "failed")])
+    write_part(tmp_path, run, [_record("t::a[fam-case]", "passed")])
+    write_part(tmp_path, {"command": ["b"], "started": "2"}, [_record("t::b[fam-x]", "passed")])
+    report = merge(tmp_path)
+    assert [t["outcome"] for t in report["tests"]] == ["passed", "passed"]
+    assert report["summary"]["passed"] == 2
+
+
+def test_markdown_stays_under_its_limit():
+    report = {
+        "runs": [],
+        "summary": {"failed": 500},
+        "tests": [_record(f"t::x{i}[fam-c]", "failed", "y" * 5000).to_json() for i in range(500)],
+    }
+    text = render.markdown(report, limit=100_000)
+    assert len(text.encode()) <= 100_000
+    assert "more failure(s): see report.json" in text
+
+
+def test_the_plot_marks_the_first_divergent_point():
+    ms = [_record("t::x", "failed").measurements[i] for i in (0, 1)]
+    assert plots.first_divergent(ms) == "block 1"
+    assert plots.plot_png("f", ms).startswith(b"\x89PNG")
+
+
+def test_a_corrupt_part_is_named(tmp_path):
+    write_part(tmp_path, {"command": ["a"], "started": "1"}, [])
+    bad = tmp_path / "parts" / "bad.json"
+    bad.write_text("{truncated")
+    with pytest.raises(ReportError, match=r"bad\.json"):
+        merge(tmp_path)
+    bad.write_text("[]")
+    with pytest.raises(ReportError, match="not a report part"):
+        merge(tmp_path)
