@@ -32,9 +32,9 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees
+from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant_checks import check_error_bound, float_params
-from conformance.records import failed
+from conformance.records import emit_verdict, failed
 from conformance.sharding import MeshSpec
 from conformance.train_checks import check_train_step
 from conformance.trees import PathMapError, map_paths, structure_diff
@@ -69,8 +69,9 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
     linen_logits = linen.forward(linen_params, batch)[0]
     nnx_logits = nnx_.forward(nnx_params, batch)[0]
     found = compare_arrays("logits", linen_logits, nnx_logits)
+    title = f"AQT int8 TRAIN forward on mesh {mesh.id} (index: batch, position, vocab)"
+    emit_verdict(title, "logits", linen_logits, nnx_logits, found)
     if found is not None:
-        title = f"AQT int8 TRAIN forward on mesh {mesh.id} (index: batch, position, vocab)"
         moved = forward_attribution(
             family,
             train,
@@ -79,7 +80,7 @@ def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh
             (linen_params, nnx_params),
             quantized=True,
         )
-        fail(family, check, failed(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} AQT int8 TRAIN on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, AQT_MAX_ERROR)

@@ -23,8 +23,8 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees
-from conformance.records import failed
+from conformance.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.records import emit, listening, measure
 from conformance.sharding import MeshSpec
 from conformance.train_checks import Side, advance, compare_steps, linen_and_nnx
 from conformance.training import flat_state, linen_trainer, nnx_trainer
@@ -135,9 +135,13 @@ def check_checkpoint_conversion(
     own = {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
     before = original.trainer.runner.forward(own, batch)[0]
     after = dst.runner.forward(params, batch)[0]
-    found = compare_trees({"logits": before}, {"logits": after})
+    trees = {"logits": before}, {"logits": after}
+    found = compare_trees(*trees)
+    names = ("original", "converted")
+    if listening():
+        emit(measure(f"forward after {what}", *trees, found, names=names))
     if found:
-        fail(family, check, failed(f"forward after {what}", found, ("original", "converted")))
+        fail(family, check, report(f"forward after {what}", found, names))
 
     # The reference next step runs on the source backend in the target layout, so that
     # only the backend conversion is compared: scanned and unrolled layers round

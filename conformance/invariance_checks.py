@@ -18,8 +18,8 @@ from jax.sharding import Mesh
 from conformance.attribution import noise_masked, on_host, one_device
 from conformance.checks import BATCH_SIZE, fail, place_batch
 from conformance.families import Family
-from conformance.numerics import compare_trees
-from conformance.records import failed
+from conformance.numerics import compare_trees, report
+from conformance.records import emit, listening, measure
 from conformance.scope import kept, scoped
 from conformance.sharding import MeshSpec
 from conformance.train_checks import advance, linen_and_nnx, params_of, step_tree
@@ -80,6 +80,10 @@ def check_sharding_invariance(
         expected[backend], _on_mesh(family, config, mesh, devices)[backend]
     )
     found = compare_trees(expected[backend], actual)
+    names = ("one device", f"mesh {mesh.id}")
+    if listening():
+        title = f"{backend} on mesh {mesh.id} against one device"
+        emit(measure(title, expected[backend], actual, found, names=names))
     if found:
         title = (
             f"{backend} on mesh {mesh.id} against {backend} on one device, from the same "
@@ -90,7 +94,7 @@ def check_sharding_invariance(
         fail(
             family,
             CHECK,
-            failed(title, found, ("one device", f"mesh {mesh.id}"))
+            report(title, found, names)
             + f"\n  {backend} computes differently when partitioned on mesh {mesh.id}. "
             "Sharding annotations choose where data lives, never what is computed: this is a "
             "partitioning problem (an annotation or constraint that XLA's SPMD partitioner "

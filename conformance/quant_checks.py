@@ -33,9 +33,9 @@ from conformance.checks import (
     shardings_for,
 )
 from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees
+from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant import MODES, unused_rules
-from conformance.records import failed
+from conformance.records import emit_verdict, failed
 from conformance.sharding import MeshSpec
 from conformance.trees import (
     Flat,
@@ -172,12 +172,13 @@ def check_quant_forward(
     linen_logits = np.asarray(linen.forward(linen_q, batch)[0])
     nnx_logits = np.asarray(nnx_.forward(nnx_q, batch)[0])
     found = compare_arrays("logits", linen_logits, nnx_logits)
+    title = f"{quant} forward on mesh {mesh.id} (index: batch, position, vocab)"
+    emit_verdict(title, "logits", linen_logits, nnx_logits, found)
     if found is not None:
-        title = f"{quant} forward on mesh {mesh.id} (index: batch, position, vocab)"
         moved = forward_attribution(
             family, config, mesh, (linen_logits, nnx_logits), (linen_q, nnx_q), quant
         )
-        fail(family, check, failed(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
     for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
         where = f"{side} {quant} on mesh {mesh.id}"
         check_error_bound(family, check, where, logits, reference, mode.max_error)

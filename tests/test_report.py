@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conformance.checks import CheckFailure
 from conformance.numerics import Mismatch, Tolerance
 from conformance.records import Measurement, collecting, emit, error_stats, failed, measure
 from conformance.report import plots, render
@@ -31,6 +32,9 @@ from conformance.report.model import (
     merge,
     write_part,
 )
+from conformance.scope import Scope
+from conformance.train_checks import check_train_step
+from tests.faults.catalogue import RopeBase
 
 FAULTY = "llama-rope-base"
 FAMILY_MODULE = f'''
@@ -235,3 +239,16 @@ def test_a_corrupt_part_is_named(tmp_path):
     bad.write_text("[]")
     with pytest.raises(ReportError, match="not a report part"):
         merge(tmp_path)
+
+
+def test_a_failing_train_step_measures_every_step(primary_mesh):
+    mesh, devices = primary_mesh
+    family = RopeBase()
+    config = family.config(family.device_size, scan_layers=False)
+    with Scope(), collecting() as found, pytest.raises(CheckFailure, match="step 1 of 3"):
+        check_train_step(family, config, mesh, devices)
+    steps = {m.series for m in found}
+    assert steps == {"step 1", "step 2", "step 3"}, "later steps are measured too"
+    failing = [m for m in found if not m.passed]
+    assert failing[0].series == "step 1"
+    assert {m.x for m in failing} >= {"loss"}, "the loss moves when the rotary base does"
