@@ -112,20 +112,24 @@ def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
 
     With a mesh, MaxText's ``ici_<axis>_parallelism`` keys are its axis sizes: MaxText's
     layers read them (the MoE layer's expert and tensor splits), not only the mesh.
+    Configs that set the same keys (the AQT modes differ only in the quantization object
+    the adapter passes) share one initialisation.
     """
-    parallelism = () if config.mesh is None else tuple(config.mesh.shape.items())
-    return _initialize(dataclasses.replace(config, mesh=None), backend, parallelism)
+    keys = config.keys(backend)
+    if config.mesh is not None:
+        keys |= {
+            f"ici_{_ICI_NAMES.get(axis, axis)}_parallelism": n
+            for axis, n in config.mesh.shape.items()
+        }
+    return _initialize(tuple(sorted((k, _frozen(v)) for k, v in keys.items())))
 
 
 @functools.cache
-def _initialize(
-    config: MaxTextConfig, backend: str, parallelism: tuple[tuple[str, int], ...]
-) -> Any:
-    """``pyconfig.initialize`` once per config and mesh shape: pyconfig is slow."""
+def _initialize(keys: tuple[tuple[str, Any], ...]) -> Any:
+    """``pyconfig.initialize`` once per set of keys: pyconfig is slow."""
     from maxtext.configs import pyconfig  # optional dependency
 
     output = os.path.join(tempfile.gettempdir(), "conformance-maxtext")
-    keys = config.keys(backend) | {
-        f"ici_{_ICI_NAMES.get(axis, axis)}_parallelism": n for axis, n in parallelism
-    }
-    return pyconfig.initialize([""], base_output_directory=output, **keys)
+    return pyconfig.initialize(
+        [""], base_output_directory=output, **{k: _thawed(v) for k, v in keys}
+    )
