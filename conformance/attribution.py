@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
+from conformance.distributed import host_array
 from conformance.numerics import Mismatch, compare_trees, tolerance_for
 from conformance.sharding import MESH_AXES, MeshSpec
 from conformance.trees import Flat
@@ -35,7 +35,7 @@ def one_device(mesh: MeshSpec) -> MeshSpec:
 
 def on_host(flat: Mapping[str, Any]) -> Flat:
     """``flat`` fetched to numpy: a result that holds no device buffer or program."""
-    return {path: np.asarray(jax.device_get(value)) for path, value in flat.items()}
+    return {path: host_array(value) for path, value in flat.items()}
 
 
 def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
@@ -54,9 +54,9 @@ def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
         grad = f"grads/{param}"
         if not path.startswith("state/") or grad not in first or grad not in second:
             continue
-        g1, g2 = np.asarray(first[grad]), np.asarray(second[grad])
+        g1, g2 = host_array(first[grad]), host_array(second[grad])
         atol = tolerance_for(g1.dtype, g2.dtype).atol
-        a, b = np.asarray(first[path]), np.asarray(value)
+        a, b = host_array(first[path]), host_array(value)
         if a.shape != b.shape or g1.shape != a.shape or g2.shape != a.shape:
             continue
         noise = (np.abs(g1) <= atol) & (np.abs(g2) <= atol)

@@ -19,6 +19,7 @@ from flax.linen import fp8_ops
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
+from conformance.distributed import place
 from conformance.families import Batch, Family
 from conformance.quant import MODES, quantize_linen, quantize_nnx
 from conformance.scope import scoped
@@ -296,4 +297,4 @@ def transplant(
         raise TransplantError("transplant would lose parameters:\n" + "\n".join(problems))
     if shardings is None:
         return moved
-    return {path: jax.device_put(value, shardings[path]) for path, value in moved.items()}
+    return {path: place(value, shardings[path]) for path, value in moved.items()}

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
 from conformance.checkpoints import CheckpointError, CheckpointInfo, convert, restore, save
@@ -22,6 +21,7 @@ from conformance.checks import (
     place_batch,
     shardings_for,
 )
+from conformance.distributed import host_array
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.records import emit, listening, measure
@@ -59,7 +59,7 @@ def byte_differences(first: Flat, second: Flat) -> list[str]:
     """Leaves whose dtype or bytes differ, with the first differing index and values."""
     lines = [f"{p}: missing on one side" for p in sorted(first.keys() ^ second.keys())]
     for path in sorted(first.keys() & second.keys()):
-        a, b = np.asarray(first[path]), np.asarray(second[path])
+        a, b = host_array(first[path]), host_array(second[path])
         if a.dtype != b.dtype:
             lines.append(f"{path}: dtype {a.dtype} != {b.dtype}")
         elif a.tobytes() != b.tobytes():

@@ -22,7 +22,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
+from conformance import distributed
 from conformance.backends import linen_runner, path_map
+from conformance.distributed import host_array
 from conformance.families import Family
 from conformance.training import flat_state, linen_trainer, nnx_trainer
 from conformance.trees import (
@@ -65,20 +67,38 @@ def save(directory: Path, state: Flat, info: CheckpointInfo) -> None:
     """Write ``state`` and ``info`` to a new ``directory``; an existing one is refused.
 
     The state is written to a temporary sibling first and renamed into place, so a
-    failed save never leaves a half-written checkpoint under ``directory``.
+    failed save never leaves a half-written checkpoint under ``directory``. In a
+    multi-controller run every process calls this with its shards of ``state`` and a
+    ``directory`` they all share; each writes its own shards and process 0 the rest.
     """
     directory = Path(directory)
     if directory.exists():
         raise CheckpointError(f"{directory} already exists; refusing to write over it")
     staging = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if distributed.is_multiprocess():
+        # orbax saves a host-local array from every process: keep one copy, as NumPy.
+        state = {p: _one_copy(v) for p, v in state.items()}
+    leader = distributed.is_leader()
+    if leader:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    distributed.barrier(f"save {directory}: staging")
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(staging.absolute() / STATE_DIR, unflatten(state))
         checkpointer.wait_until_finished()
-    record = {"format": FORMAT_VERSION, **dataclasses.asdict(info)}
-    (staging / INFO_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    staging.rename(directory)
+    distributed.barrier(f"save {directory}: state written")
+    if leader:
+        record = {"format": FORMAT_VERSION, **dataclasses.asdict(info)}
+        (staging / INFO_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        staging.rename(directory)
+    distributed.barrier(f"save {directory}: in place")
+
+
+def _one_copy(value: Any) -> Any:
+    """``value``, or NumPy for an array held whole by this process (saved by process 0)."""
+    if isinstance(value, jax.Array) and value.is_fully_addressable:
+        return np.asarray(value)
+    return value
 
 
 def read_info(directory: Path) -> CheckpointInfo:
@@ -217,7 +237,7 @@ def cast_counters(state: Flat, target: Mapping[str, LeafSpec]) -> Flat:
     result = dict(state)
     for path, value in state.items():
         want = target.get(path)
-        have = np.asarray(value)
+        have = host_array(value)
         if want is None or have.shape or want.dtype == str(have.dtype):
             continue
         if not (np.issubdtype(have.dtype, np.integer) and np.issubdtype(want.dtype, np.integer)):

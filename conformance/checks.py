@@ -24,6 +24,7 @@ from conformance.backends import (
     nnx_runner,
     transplant,
 )
+from conformance.distributed import host_array
 from conformance.families import Batch, Family, LogicalRules
 from conformance.localise import Divergence, localise
 from conformance.numerics import (
@@ -271,7 +272,7 @@ def check_init(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> No
     b = nnx_.init(0, shardings_for(family, "init", nnx_.logical, mesh, devices))
     problems = []
     for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
-        x, y = np.asarray(a[src], np.float64), np.asarray(b[dst], np.float64)
+        x, y = host_array(a[src]).astype(np.float64), host_array(b[dst]).astype(np.float64)
         n = x.size
         (mx, sx), (my, sy) = (x.mean(), x.std()), (y.mean(), y.std())
         if sx == 0 or sy == 0:

@@ -38,6 +38,7 @@ from conformance.decoding import (
     nnx_decoder,
     prompt_batch,
 )
+from conformance.distributed import host_array
 from conformance.families import Family
 from conformance.numerics import (
     Mismatch,
@@ -157,7 +158,7 @@ def _serve(
             decoder, params, prompt, lengths, DECODE_STEPS, place, cache_shardings
         )
         sequence = place(generation.sequence(family.sequence_length(config)))
-        forward_logits = np.asarray(runner.forward(params, sequence)[0])
+        forward_logits = host_array(runner.forward(params, sequence)[0])
         served.append(Served(side, params, generation, forward_logits))
     return tuple(served)
 

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from conformance.backends import linen_runner, mesh_of, model_inputs, nnx_runner
+from conformance.distributed import host_array
 from conformance.families import Batch, Family
 from conformance.scope import scoped
 from conformance.sharding import Logical, linen_logical, nnx_logical
@@ -193,7 +194,7 @@ def prompt_batch(family: Family, config: Any, rows: int, steps: int) -> tuple[Ba
     lengths = width - np.arange(rows, dtype=np.int32)
     source = family.batch(config, rows)
     real = np.arange(width)[None, :] < lengths[:, None]
-    tokens = np.where(real, np.asarray(source.tokens)[:, :width], 0)
+    tokens = np.where(real, host_array(source.tokens)[:, :width], 0)
     positions = np.broadcast_to(np.arange(width, dtype=np.int32), (rows, width))
     prompt = Batch(
         tokens=jnp.asarray(tokens, jnp.int32),
@@ -229,7 +230,7 @@ class Generation:
         """The prompts followed by the tokens fed to decode, padded to ``seq_len``."""
         rows, steps = self.step_logits.shape[1], self.step_logits.shape[0]
         tokens = np.zeros((rows, seq_len), np.int32)
-        prompt = np.asarray(self.prompt.tokens)
+        prompt = host_array(self.prompt.tokens)
         for row, length in enumerate(self.lengths):
             tokens[row, :length] = prompt[row, :length]
             tokens[row, length : length + steps] = self.tokens[row, :steps]
@@ -264,7 +265,7 @@ def generate(
     cache = decoder.init_cache(shardings)
     logits, cache = decoder.run("prefill", params, cache, place(prompt), shardings)
     caches = [_on_host(cache)]
-    prefill_logits = np.asarray(logits)
+    prefill_logits = host_array(logits)
     token = prefill_logits[np.arange(rows), lengths - 1].argmax(-1).astype(np.int32)
     tokens, step_logits = [token], []
     ones = np.ones((rows, 1), np.int32)
@@ -277,7 +278,7 @@ def generate(
         )
         logits, cache = decoder.run("decode", params, cache, place(batch), shardings)
         caches.append(_on_host(cache))
-        step_logits.append(np.asarray(logits)[:, 0])
+        step_logits.append(host_array(logits)[:, 0])
         token = step_logits[-1].argmax(-1).astype(np.int32)
         tokens.append(token)
     return Generation(
@@ -291,4 +292,4 @@ def generate(
 
 
 def _on_host(flat: Flat) -> Flat:
-    return {path: np.asarray(value) for path, value in flat.items()}
+    return {path: host_array(value) for path, value in flat.items()}

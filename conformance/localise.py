@@ -33,6 +33,7 @@ from flax.core import tracers
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conformance.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
+from conformance.distributed import host_array, is_multiprocess
 from conformance.families import Batch, PathRules
 from conformance.numerics import Mismatch, compare_arrays
 from conformance.trees import Flat, join_path, map_paths
@@ -90,7 +91,7 @@ class Recorder:
         count = self._count[(path, method)]
         self._count[(path, method)] += 1
         self.calls[(path, method, count)] = Call(
-            order, [np.asarray(x) for x in inputs], [np.asarray(x) for x in outputs]
+            order, [host_array(x) for x in inputs], [host_array(x) for x in outputs]
         )
 
 
@@ -343,8 +344,15 @@ def localise(
 ) -> Divergence | str:
     """The first divergent module of a forward between the two sides, or why none was found.
 
-    Never raises for a model it cannot record this way: the reason is the answer.
+    Never raises for a model it cannot record this way: the reason is the answer. In a
+    multi-controller run it records nothing: the host callbacks fire on one process
+    only, and every process must reach the same answer.
     """
+    if is_multiprocess():
+        return (
+            "module outputs are recorded in single-process runs only (host callbacks fire "
+            "on one process); rerun this test in one process to find the first divergent module"
+        )
     try:
         found = first_divergence(
             record_linen(linen, linen_params, batch),

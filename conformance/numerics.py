@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from conformance.distributed import host_array
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
@@ -91,7 +93,7 @@ class Mismatch:
 
 
 def _as_f64(x: Any) -> np.ndarray:
-    return np.asarray(np.asarray(x).astype(np.float64))
+    return np.asarray(host_array(x).astype(np.float64))
 
 
 def compare_arrays(
@@ -108,7 +110,7 @@ def compare_arrays(
     accepted when the second side is no farther from the reference than the first one:
     the policy's tie-break for low-precision dtypes (README, "Tolerances").
     """
-    a, b = np.asarray(first), np.asarray(second)
+    a, b = host_array(first), host_array(second)
     tol = tolerance or tolerance_for(a.dtype, b.dtype)
     if a.shape != b.shape:
         return Mismatch(

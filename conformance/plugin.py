@@ -9,8 +9,11 @@ and their :class:`~conformance.scope.Scope` is released when the group changes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import itertools
+import re
+import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +24,12 @@ import jax.numpy as jnp
 import pytest
 
 import conformance.suite
+from conformance import distributed, scope
 from conformance import families as registry
-from conformance import scope
 from conformance.checks import CheckFailure
 from conformance.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
 from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.processes import MultiController
 from conformance.progress import CompileClock, Progress
 from conformance.quant import MODES
 from conformance.report.collector import ReportCollector
@@ -45,6 +49,7 @@ _CLAIMED = pytest.StashKey[set[Path]]()
 _TIER = pytest.StashKey[Tier]()
 _COLLECTED = pytest.StashKey[set[str]]()
 _ACTIVE = pytest.StashKey[bool]()
+_FOLLOWER_UPDATE = pytest.StashKey[bool]()
 
 
 OPTION_PREFIX = "--conformance-"
@@ -105,6 +110,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="print one line per family x check as it runs instead of a character per test",
     )
+    group.addoption(
+        "--conformance-distributed",
+        action="store_true",
+        help="join a multi-controller run (one process per host) that JAX detects itself, "
+        "as on a TPU pod slice: run the same command on every host",
+    )
+    group.addoption(
+        "--conformance-coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="join a multi-controller run whose process 0 serves at HOST:PORT (with "
+        "--conformance-num-processes and --conformance-process-id)",
+    )
+    group.addoption("--conformance-num-processes", type=int, default=None, metavar="N")
+    group.addoption("--conformance-process-id", type=int, default=None, metavar="I")
+    group.addoption(
+        "--conformance-connect-timeout",
+        type=int,
+        default=300,
+        metavar="SECONDS",
+        help="how long a process waits for the coordinator and the others (default: 300)",
+    )
+    group.addoption(
+        "--conformance-shared-dir",
+        default=None,
+        metavar="DIR",
+        help="a directory every process of a multi-controller run can read and write, for "
+        "checkpoints (their tests skip without one); default: pytest's tmp_path",
+    )
     parser.addini("conformance_goldens", "directory of golden files", default="goldens")
     parser.addini(
         "conformance_builtin_families",
@@ -130,6 +164,7 @@ def selects_suite(config: pytest.Config) -> bool:
     """
     defaults = {"family": [], "mesh": [], "topology": [], "tier": DEFAULT_TIER}
     defaults |= {"xla_opt": "low", "progress": False, "report": None}
+    defaults |= {"distributed": False, "coordinator": None, "shared_dir": None}
     if any(_option(config, name) != default for name, default in defaults.items()):
         return True
     suite = Path(conformance.suite.__file__).parent
@@ -194,6 +229,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.stash[_ACTIVE]:
         return
     configure_host_platform()
+    cluster = _cluster(config)
+    if cluster is not None:
+        try:
+            distributed.initialize(cluster)
+        except distributed.DistributedError as err:
+            raise pytest.UsageError(str(err)) from None
     set_xla_opt(_option(config, "xla_opt"))
     try:
         builtin = bool(config.getini("conformance_builtin_families"))
@@ -209,6 +250,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if _option(config, "mesh"):
         config.stash[_TIER] = dataclasses.replace(tier, meshes=None)
     config.stash[_CLAIMED] = set()
+    leader = distributed.is_leader()
+    config.stash[_FOLLOWER_UPDATE] = not leader and bool(config.option.update_snapshots)
+    if not leader:
+        config.option.update_snapshots = False
+    if distributed.is_multiprocess():
+        config.pluginmanager.register(MultiController(), "conformance-processes")
     config.pluginmanager.register(SessionReport(config), "conformance-report")
     config.pluginmanager.register(ScopePerGroup(), "conformance-scopes")
     config.pluginmanager.register(CompileClock(), "conformance-compiles")
@@ -220,12 +267,25 @@ def pytest_configure(config: pytest.Config) -> None:
             [f.name for f in config.stash[_FAMILIES]],
         )
         command = [str(config.invocation_params.dir), *config.invocation_params.args]
-        collector = ReportCollector(Path(directory).resolve(), header, command)
+        collector = ReportCollector(Path(directory).resolve(), header, command, writes=leader)
         config.pluginmanager.register(collector, "conformance-report-files")
     if _option(config, "progress"):
         header = _header(config) if config.option.verbose < 0 else []
         progress = Progress(header, _progress_label)
         config.pluginmanager.register(progress, "conformance-progress")
+
+
+def _cluster(config: pytest.Config) -> distributed.Cluster | None:
+    """The multi-controller run the options ask this process to join, if any."""
+    coordinator = _option(config, "coordinator")
+    if coordinator is None and not _option(config, "distributed"):
+        return None
+    return distributed.Cluster(
+        coordinator,
+        _option(config, "num_processes"),
+        _option(config, "process_id"),
+        _option(config, "connect_timeout"),
+    )
 
 
 def active(config: pytest.Config) -> bool:
@@ -521,14 +581,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 class Golden:
-    """The golden file of one test: fails clearly when missing or corrupt, else matches."""
+    """The golden file of one test: fails clearly when missing or corrupt, else matches.
 
-    def __init__(self, snapshot: Any, root: Path, path: Path, update: bool) -> None:
+    In a multi-controller run that regenerates goldens, process 0 writes them and the
+    other processes (``written_elsewhere``) compare nothing.
+    """
+
+    def __init__(
+        self, snapshot: Any, root: Path, path: Path, update: bool, written_elsewhere: bool = False
+    ) -> None:
         self._snapshot = snapshot.use_extension(GoldenExtension.for_root(root))
         self.root, self.path, self.update = root, path, update
+        self.written_elsewhere = written_elsewhere
 
     def check(self, data: Any) -> None:
         """Assert that ``data``, normalised, equals the golden (or write it when updating)."""
+        if self.written_elsewhere:
+            return
         if not self.update:
             try:
                 load(self.path)
@@ -551,7 +620,35 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     if path is None:
         raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
     update = bool(request.config.option.update_snapshots)
-    return Golden(snapshot, goldens_root(request.config), path, update)
+    elsewhere = request.config.stash.get(_FOLLOWER_UPDATE, False)
+    return Golden(snapshot, goldens_root(request.config), path, update, elsewhere)
+
+
+@pytest.fixture
+def shared_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A fresh directory for the test that every process of the run reads and writes.
+
+    With one process it is ``tmp_path``. In a multi-controller run it lies under
+    ``--conformance-shared-dir`` (the test skips, saying so, without one), named after
+    the test, emptied by process 0 before any process uses it.
+    """
+    if not distributed.is_multiprocess():
+        return tmp_path
+    root = _option(request.config, "shared_dir")
+    if root is None:
+        pytest.skip(
+            "a multi-controller run writes checkpoints to a directory every process can "
+            "read: give one with --conformance-shared-dir"
+        )
+    digest = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+    # Only word characters: orbax globs inside the directory, and `[` would be a pattern.
+    name = re.sub(r"\W", "_", request.node.name)[:60]
+    path = Path(root).resolve() / f"{name}-{digest}"
+    if distributed.is_leader():
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    distributed.barrier(f"shared_tmp_path {digest}")
+    return path
 
 
 def _devices_or_skip(mesh: MeshSpec) -> Any:
@@ -605,8 +702,10 @@ class SessionReport:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """Print the agreement matrix and any unused goldens."""
-        if self.results:
+        """Print the agreement matrix (process 0 only) and any unused goldens."""
+        if self.results and not distributed.is_leader():
+            terminalreporter.write_line("agreement matrix: in process 0's output")
+        elif self.results:
             title = "Linen/NNX agreement (agreed/run; f=failed s=skipped x=xfailed)"
             terminalreporter.section(title)
             for line in agreement_matrix(self.results):

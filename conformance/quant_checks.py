@@ -32,6 +32,7 @@ from conformance.checks import (
     resolve_all,
     shardings_for,
 )
+from conformance.distributed import host_array
 from conformance.families import Family
 from conformance.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.quant import MODES, unused_rules
@@ -105,7 +106,7 @@ def check_error_bound(
     The measure is the relative L2 error ``||quantized - reference|| / ||reference||``;
     an error of exactly zero fails, as it means quantization did nothing.
     """
-    q, r = np.asarray(quantized, np.float64), np.asarray(reference, np.float64)
+    q, r = (host_array(x).astype(np.float64) for x in (quantized, reference))
     error = float(np.linalg.norm(q - r) / max(np.linalg.norm(r), np.finfo(np.float64).tiny))
     if error == 0.0:
         fail(
@@ -168,9 +169,9 @@ def check_quant_forward(
             title = f"{quant} quantized parameters on mesh {mesh.id}"
             fail(family, check, failed(title, mismatches, ("Linen", "NNX")))
     batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    reference = np.asarray(linen_runner(family, config).forward(linen_float, batch)[0])
-    linen_logits = np.asarray(linen.forward(linen_q, batch)[0])
-    nnx_logits = np.asarray(nnx_.forward(nnx_q, batch)[0])
+    reference = host_array(linen_runner(family, config).forward(linen_float, batch)[0])
+    linen_logits = host_array(linen.forward(linen_q, batch)[0])
+    nnx_logits = host_array(nnx_.forward(nnx_q, batch)[0])
     found = compare_arrays("logits", linen_logits, nnx_logits)
     title = f"{quant} forward on mesh {mesh.id} (index: batch, position, vocab)"
     emit_verdict(title, "logits", linen_logits, nnx_logits, found)

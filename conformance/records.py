@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.distributed import host_array
 from conformance.numerics import Mismatch, Tolerance, report, tolerance_for
 
 
@@ -87,8 +88,8 @@ def error_stats(first: Any, second: Any, tolerance: Tolerance) -> tuple[float, f
     elements where ``b`` is 0 have no relative error. ``used`` is defined on
     :class:`Measurement`.
     """
-    a = np.asarray(first).astype(np.float64)
-    b = np.asarray(second).astype(np.float64)
+    a = host_array(first).astype(np.float64)
+    b = host_array(second).astype(np.float64)
     if a.shape != b.shape or a.size == 0:
         return (math.inf, math.inf, math.inf) if a.shape != b.shape else (0.0, 0.0, 0.0)
     finite = np.isfinite(a) & np.isfinite(b)
@@ -124,7 +125,7 @@ def measure(
     worst = (0.0, 0.0, 0.0)
     applied: list[Tolerance] = []
     for path in sorted(set(first) & set(second)):
-        a, b = np.asarray(first[path]), np.asarray(second[path])
+        a, b = host_array(first[path]), host_array(second[path])
         tol = tolerance or tolerance_for(a.dtype, b.dtype)
         applied.append(tol)
         stats = error_stats(a, b, tol)

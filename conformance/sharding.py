@@ -73,9 +73,14 @@ class MeshSpec:
         return AbstractMesh(self.shape, self.names, axis_types=(AxisType.Auto,) * len(self.axes))
 
     def devices(self) -> Mesh:
-        """A device mesh of this shape on the first ``size`` devices, with Auto axes.
+        """A device mesh of this shape with Auto axes.
 
-        Raises :class:`InsufficientDevices` if there are fewer devices than the mesh needs.
+        With one process it takes the first ``size`` devices. With several, it takes an
+        equal share of each process's devices, in process order (so the first mesh axis
+        crosses processes, as data parallelism does on a pod); a mesh the processes
+        cannot share equally but one process can hold (a one-device reference) is
+        built by every process on its own devices, and each computes the same alone.
+        Raises :class:`InsufficientDevices` if there are too few devices.
         """
         available = jax.devices()
         if len(available) < self.size:
@@ -83,11 +88,26 @@ class MeshSpec:
                 f"mesh {self.id} needs {self.size} devices; {len(available)} "
                 f"{available[0].platform} device(s) available"
             )
+        processes = jax.process_count()
+        if self.size % processes == 0:
+            share = self.size // processes
+            chosen = [
+                device
+                for process in range(processes)
+                for device in [d for d in available if d.process_index == process][:share]
+            ]
+        elif self.size <= jax.local_device_count():
+            chosen = jax.local_devices()[: self.size]
+        else:
+            raise InsufficientDevices(
+                f"mesh {self.id} needs {self.size} devices, which {processes} processes "
+                "cannot contribute in equal shares"
+            )
         return jax.make_mesh(
             self.shape,
             self.names,
             axis_types=(AxisType.Auto,) * len(self.axes),
-            devices=available[: self.size],
+            devices=chosen,
         )
 
     def __str__(self) -> str:

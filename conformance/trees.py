@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from conformance.distributed import host_array
 from conformance.families import PathRules
 
 Flat = dict[str, Any]
@@ -263,7 +264,7 @@ def restack(
                 continue
             prefix, stacked = found
             for index, param in enumerate(table[stacked]):
-                result[_join(prefix, param)] = np.take(np.asarray(value), index, axis=axis)
+                result[_join(prefix, param)] = np.take(host_array(value), index, axis=axis)
         return result
     owner = {param: stacked for stacked, params in table.items() for param in params}
     groups: dict[tuple[str, str], dict[str, Any]] = {}
@@ -276,6 +277,6 @@ def restack(
         groups.setdefault((prefix, owner[param]), {})[param] = value
     for (prefix, stacked), layers in groups.items():
         result[_join(prefix, stacked)] = np.stack(
-            [np.asarray(layers[p]) for p in table[stacked]], axis=axis
+            [host_array(layers[p]) for p in table[stacked]], axis=axis
         )
     return result

@@ -60,10 +60,15 @@ def _outcome(report: pytest.TestReport) -> tuple[str, str] | None:
 
 
 class ReportCollector:
-    """Records every test of this process; writes its part and the merged report at the end."""
+    """Records every test of this process; writes its part and the merged report at the end.
 
-    def __init__(self, root: Path, header: Json, command: list[str]) -> None:
+    Without ``writes`` it records (so checks measure alike on every process of a
+    multi-controller run) and writes nothing: process 0 writes for the run.
+    """
+
+    def __init__(self, root: Path, header: Json, command: list[str], writes: bool = True) -> None:
         self.root = root
+        self.writes = writes
         self.run: Json = {"command": command, **header}
         self.tests: dict[str, RecordedTest] = {}
         self.started = time.time()
@@ -107,7 +112,7 @@ class ReportCollector:
 
         Runs last, so the exit status includes the plugin's own verdicts (unused goldens).
         """
-        if hasattr(session.config, "workerinput"):
+        if hasattr(session.config, "workerinput") or not self.writes:
             return
         self.run |= {
             "started": datetime.datetime.fromtimestamp(self.started, datetime.UTC).isoformat(),

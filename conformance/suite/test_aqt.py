@@ -36,7 +36,7 @@ def test_aqt_convert(family, mesh, scan_layers, device_mesh):
     check_aqt_convert(family, config, mesh, device_mesh)
 
 
-def test_aqt_serve(family, scan_layers, primary_mesh, tmp_path):
+def test_aqt_serve(family, scan_layers, primary_mesh, shared_tmp_path):
     mesh, devices = primary_mesh
     config = family.config(family.device_size, scan_layers=scan_layers)
-    check_aqt_serve(family, config, mesh, devices, tmp_path, scan_layers=scan_layers)
+    check_aqt_serve(family, config, mesh, devices, shared_tmp_path, scan_layers=scan_layers)

@@ -16,10 +16,10 @@ LAYOUT_PAIRS = {
 
 @pytest.mark.parametrize("backend", ["linen", "nnx"])
 def test_checkpoint_roundtrip(
-    family, mesh, scan_layers, device_mesh, primary_mesh, backend, tmp_path
+    family, mesh, scan_layers, device_mesh, primary_mesh, backend, shared_tmp_path
 ):
     info = CheckpointInfo(family.name, family.device_size, backend, scan_layers)
-    check_checkpoint_roundtrip(family, info, primary_mesh, (mesh, device_mesh), tmp_path)
+    check_checkpoint_roundtrip(family, info, primary_mesh, (mesh, device_mesh), shared_tmp_path)
 
 
 @pytest.mark.parametrize("source", ["linen", "nnx"])
@@ -27,7 +27,7 @@ def test_checkpoint_roundtrip(
     "layouts",
     [pytest.param(name, marks=pytest.mark.layouts(*pair)) for name, pair in LAYOUT_PAIRS.items()],
 )
-def test_checkpoint_conversion(family, primary_mesh, source, layouts, tmp_path):
+def test_checkpoint_conversion(family, primary_mesh, source, layouts, shared_tmp_path):
     source_scan, target_scan = LAYOUT_PAIRS[layouts]
     info = CheckpointInfo(family.name, family.device_size, source, source_scan)
-    check_checkpoint_conversion(family, info, target_scan, *primary_mesh, tmp_path)
+    check_checkpoint_conversion(family, info, target_scan, *primary_mesh, shared_tmp_path)

@@ -52,7 +52,9 @@ def test_qat_train_step(family, mesh, scan_layers, quant, device_mesh):
 
 
 @pytest.mark.quant_method("ptq")
-def test_quant_checkpoint(family, scan_layers, quant, primary_mesh, tmp_path):
+def test_quant_checkpoint(family, scan_layers, quant, primary_mesh, shared_tmp_path):
     mesh, devices = primary_mesh
     config = family.config(family.device_size, scan_layers=scan_layers)
-    check_quant_checkpoint(family, config, mesh, devices, quant, tmp_path, scan_layers=scan_layers)
+    check_quant_checkpoint(
+        family, config, mesh, devices, quant, shared_tmp_path, scan_layers=scan_layers
+    )
