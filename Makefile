@@ -15,7 +15,7 @@ BUILTIN := --family gpt3 --family llama
 REPORT ?=
 REPORT_ARG := $(if $(REPORT),--report $(abspath $(REPORT)))
 
-.PHONY: setup setup-maxtext parity test test-maxtext lint goldens goldens-maxtext benchmark clean
+.PHONY: setup setup-maxtext parity test test-maxtext multihost lint goldens goldens-maxtext benchmark clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) \
 	  $(if $(REPORT),--conformance-report $(abspath $(REPORT))) || status=$$?; \
 	exit $$status
+
+## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU
+## devices each, joined by jax.distributed (see README "Running on a multi-host TPU slice").
+multihost: $(STAMP)
+	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
+	  --tier smoke $(REPORT_ARG) $(ARGS)
 
 ## The MaxText families alone, in the maxtext venv (the default run skips them there).
 ## It first fails if they would skip: an unusable maxtext must not pass as all-skipped.

@@ -35,29 +35,10 @@ from conformance.report.model import (
 from conformance.scope import Scope
 from conformance.train_checks import check_train_step
 from tests.faults.catalogue import RopeBase
+from tests.faults.installed import FAULTY, install_faulty_family
 
-FAULTY = "llama-rope-base"
-FAMILY_MODULE = f'''
-from tests.faults.catalogue import RopeBase
-
-
-class LlamaRopeBase(RopeBase):
-    """Planted fault: NNX builds its rotary embedding with another base."""
-
-    name = "{FAULTY}"
-'''
-ENTRY_POINTS = f"[conformance.families]\n{FAULTY} = report_faults:LlamaRopeBase\n"
 REPO = Path(__file__).parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def install_faulty_family(site: Path) -> None:
-    """A throwaway distribution registering the planted-fault family by entry point."""
-    (site / "report_faults.py").write_text(FAMILY_MODULE)
-    info = site / "report_faults-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: report-faults\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
 
 
 def run_suite(project: Path, site: Path, report: Path, *args: str) -> subprocess.CompletedProcess:

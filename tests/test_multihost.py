@@ -1,0 +1,143 @@
+"""Multi-controller runs, emulated on this machine: processes joined by ``jax.distributed``.
+
+A process joins one run for its whole life, so each test starts real processes: the
+emulation command (``python -m conformance --processes 2``), or processes joined by
+hand where a test needs them to differ.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conformance import launch
+from tests.faults.installed import FAULTY, install_faulty_family
+
+REPO = Path(__file__).parents[1]
+EMULATE = ("--processes", "2", "--devices-per-process", "4", "--timeout", "600")
+
+
+def conformance(*args: str, site: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m conformance args`` from the repository, with ``site`` importable."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(p) for p in (site, REPO) if p))
+    env.pop("XLA_FLAGS", None)
+    command = [sys.executable, "-m", "conformance", *args]
+    return subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
+    )
+
+
+def joined(index: int, port: int, *args: str) -> subprocess.Popen:
+    """Process ``index`` of 2, joined by hand to the run at ``port``."""
+    command = [sys.executable, "-m", "conformance", "--family", "gpt3", "--tier", "smoke", *args]
+    command += [f"--coordinator=localhost:{port}", "--num-processes=2", f"--process-id={index}"]
+    env = launch.process_env(4)
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_a_planted_fault_fails_on_every_process_at_its_leaf(tmp_path):
+    site, logs = tmp_path / "site", tmp_path / "logs"
+    site.mkdir()
+    install_faulty_family(site)
+    args = ("--family", FAULTY, "--tier", "smoke", "-k", "test_forward", "--logs", str(logs))
+    run = conformance(*EMULATE, *args, site=site)
+    assert run.returncode == 1, run.stdout[-5000:] + run.stderr[-3000:]
+    assert "process 0: exit 1" in run.stdout
+    assert "process 1: exit 1" in run.stdout
+    for index in (0, 1):
+        log = (logs / f"process-{index}.log").read_text()
+        assert f"{FAULTY} forward:" in log, log[-3000:]
+        assert "hidden_states[0]" in log, log[-3000:]
+    assert "agreement matrix: in process 0's output" in (logs / "process-1.log").read_text()
+
+
+def test_checkpoints_saved_by_two_processes_restore_byte_exact_and_reshard(tmp_path):
+    meshes = ("--mesh", "data=2,fsdp=2,tensor=2", "--mesh", "fsdp=8")
+    args = ("--family", "gpt3", "--tier", "smoke", *meshes, "-k", "checkpoint_roundtrip")
+    run = conformance(*EMULATE, *args, "--logs", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-3000:]
+    assert "4 passed" in run.stdout, "linen and nnx, restored on the saving mesh and on fsdp=8"
+    states = sorted((tmp_path / "shared").glob("*fsdp8*/checkpoint/state"))
+    assert states, "the resharded round trips saved into the shared directory"
+    for state in states:
+        assert {p.name for p in state.glob("ocdbt.process_*")} == {
+            "ocdbt.process_0",
+            "ocdbt.process_1",
+        }, "each process wrote its own shards"
+
+
+def test_an_unreachable_coordinator_fails_fast_naming_the_process():
+    port = launch.free_port()
+    started = time.monotonic()
+    run = conformance(
+        "--family",
+        "gpt3",
+        "--tier",
+        "smoke",
+        f"--coordinator=localhost:{port}",
+        "--num-processes=2",
+        "--process-id=1",
+        "--connect-timeout=2",
+    )
+    assert run.returncode == 4, run.stdout[-3000:] + run.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    message = run.stderr + run.stdout
+    assert f"process 1 of 2 (coordinator localhost:{port})" in message
+    assert f"cannot reach the coordinator at localhost:{port} within 2 s" in message
+
+
+def test_processes_with_different_tests_stop_naming_the_difference():
+    port = launch.free_port()
+    procs = [joined(0, port, "-k", "test_forward"), joined(1, port, "-k", "test_forward or init")]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [4, 4], outputs
+    for output in outputs:
+        assert "collected different tests" in output, output[-3000:]
+        assert "process 1 has 2, process 0 has 1: 1 only on process 1 (first: " in output
+        assert "test_init.py::test_init[gpt3-" in output
+
+
+def test_the_launcher_stops_the_others_when_one_fails(monkeypatch):
+    monkeypatch.setattr(launch, "GRACE_S", 0.5)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    started = time.monotonic()
+    try:
+        status, why = launch.watch([sleeper, failing], timeout_s=60)
+    finally:
+        launch.stop([sleeper, failing])
+    assert status == 3
+    assert why == "process 1 failed (exit 3); stopped process(es) 0"
+    assert time.monotonic() - started < 30
+    assert sleeper.returncode is not None
+
+
+def test_the_launcher_stops_every_process_at_its_timeout():
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])]
+    try:
+        status, why = launch.watch(sleepers, timeout_s=0.5)
+    finally:
+        launch.stop(sleepers)
+    assert status == launch.TIMED_OUT
+    assert why == "the run outlived its 0.5 s timeout; stopped process(es) 0"
+
+
+def test_each_emulated_process_gets_its_own_device_count():
+    flags = "--xla_dump_to=x --xla_force_host_platform_device_count=8"
+    env = launch.process_env(4, {"XLA_FLAGS": flags})
+    assert env["XLA_FLAGS"] == "--xla_dump_to=x --xla_force_host_platform_device_count=4"
+    assert env["JAX_PLATFORMS"] == "cpu"
+
+
+@pytest.mark.parametrize("bad", ["--processes=0", "--devices-per-process=0"])
+def test_a_nonsense_emulation_is_a_usage_error(bad):
+    run = conformance(bad, "--family", "gpt3")
+    assert run.returncode == 4
+    assert "must be at least 1" in run.stderr
