@@ -82,10 +82,12 @@ def commands(emulation: Emulation, args: Sequence[str], port: int) -> list[list[
 
 
 def _tee(stream: IO[bytes], log: IO[bytes], out: IO[bytes]) -> None:
+    """Copy ``stream`` to ``log``, and to ``out`` without gloo's connection chatter."""
     for line in iter(stream.readline, b""):
         log.write(line)
-        out.write(line)
-        out.flush()
+        if not line.startswith(b"[Gloo] "):
+            out.write(line)
+            out.flush()
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
