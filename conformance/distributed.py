@@ -70,14 +70,17 @@ def initialize(cluster: Cluster) -> None:
         if cluster.process_id != 0:
             wait_for_port(cluster.coordinator, cluster.timeout_s, cluster.describe())
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        cluster.coordinator,
-        cluster.num_processes,
-        cluster.process_id,
-        initialization_timeout=cluster.timeout_s,
-        heartbeat_timeout_seconds=cluster.timeout_s,
-        shutdown_timeout_seconds=cluster.timeout_s,
-    )
+    try:
+        jax.distributed.initialize(
+            cluster.coordinator,
+            cluster.num_processes,
+            cluster.process_id,
+            initialization_timeout=cluster.timeout_s,
+            heartbeat_timeout_seconds=cluster.timeout_s,
+            shutdown_timeout_seconds=cluster.timeout_s,
+        )
+    except (RuntimeError, ValueError) as err:  # e.g. no cluster JAX can detect
+        raise DistributedError(f"{cluster.describe()} cannot join the run: {err}") from None
 
 
 def wait_for_port(address: str, timeout_s: float, who: str) -> None:

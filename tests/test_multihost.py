@@ -13,9 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
-from conformance import launch
+from conformance import distributed, launch
 from tests.faults.installed import FAULTY, install_faulty_family
 
 REPO = Path(__file__).parents[1]
@@ -141,3 +143,33 @@ def test_a_nonsense_emulation_is_a_usage_error(bad):
     run = conformance(bad, "--family", "gpt3")
     assert run.returncode == 4
     assert "must be at least 1" in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("cluster", "message"),
+    [
+        (distributed.Cluster("localhost:1"), "without both the number of processes"),
+        (distributed.Cluster("localhost:1", 2, 2), "process id 2 is not in 0..1"),
+        (distributed.Cluster("localhost", 2, 1, timeout_s=1), "'localhost' is not host:port"),
+    ],
+)
+def test_a_malformed_cluster_is_refused_before_jax_starts(cluster, message):
+    with pytest.raises(distributed.DistributedError, match=message):
+        distributed.initialize(cluster)
+
+
+def test_with_one_process_the_collectives_are_local():
+    array = jax.numpy.arange(6.0).reshape(2, 3)
+    assert isinstance(distributed.host_array(array), np.ndarray)
+    np.testing.assert_array_equal(distributed.host_array(array), np.arange(6.0).reshape(2, 3))
+    assert distributed.gather_ints([3, 4]) == [(3, 4)]
+    assert distributed.gather_text("a\nb") == ["a\nb"]
+    assert distributed.differences(["t1", "t2"]) == ""
+    assert distributed.is_leader()
+    assert not distributed.is_multiprocess()
+
+
+def test_distributed_where_jax_detects_no_cluster_is_a_usage_error():
+    run = conformance("--distributed", "--family", "gpt3", "--tier", "smoke")
+    assert run.returncode == 4, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "this process (cluster detected by JAX) cannot join the run" in run.stderr
