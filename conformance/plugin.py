@@ -49,7 +49,6 @@ _CLAIMED = pytest.StashKey[set[Path]]()
 _TIER = pytest.StashKey[Tier]()
 _COLLECTED = pytest.StashKey[set[str]]()
 _ACTIVE = pytest.StashKey[bool]()
-_FOLLOWER_UPDATE = pytest.StashKey[bool]()
 
 
 OPTION_PREFIX = "--conformance-"
@@ -251,9 +250,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_TIER] = dataclasses.replace(tier, meshes=None)
     config.stash[_CLAIMED] = set()
     leader = distributed.is_leader()
-    config.stash[_FOLLOWER_UPDATE] = not leader and bool(config.option.update_snapshots)
-    if not leader:
-        config.option.update_snapshots = False
     if distributed.is_multiprocess():
         config.pluginmanager.register(MultiController(), "conformance-processes")
     config.pluginmanager.register(SessionReport(config), "conformance-report")
@@ -620,7 +616,7 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     if path is None:
         raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
     update = bool(request.config.option.update_snapshots)
-    elsewhere = request.config.stash.get(_FOLLOWER_UPDATE, False)
+    elsewhere = update and not distributed.is_leader()
     return Golden(snapshot, goldens_root(request.config), path, update, elsewhere)
 
 
