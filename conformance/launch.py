@@ -119,9 +119,9 @@ def _tail(path: Path, lines: int = 25) -> str:
 def run(emulation: Emulation, args: Sequence[str], out: IO[str] = sys.stdout) -> int:
     """Run ``python -m conformance args`` as an emulated multi-host run; its exit status.
 
-    0 only if every process exits 0. The others are stopped as soon as one fails;
-    :data:`TIMED_OUT` if the run outlives ``timeout_s``. A summary names each
-    process's exit and log, with the end of each failed process's log.
+    0 only if every process exits 0. Once one fails, the others get :data:`GRACE_S` to
+    finish before they are stopped; :data:`TIMED_OUT` if the run outlives ``timeout_s``.
+    A summary names each process's exit and log, with the end of each failed process's log.
     """
     emulation.logs.mkdir(parents=True, exist_ok=True)
     (emulation.logs / "shared").mkdir(exist_ok=True)
