@@ -1,5 +1,5 @@
 """Give jax 8 host devices before any backend starts, unless the user chose otherwise."""
 
-from conformance.environment import configure_host_platform
+from conformance.core.environment import configure_host_platform
 
 configure_host_platform()

@@ -7,7 +7,7 @@ go to pytest; the plugin's options may be given without their ``--conformance-``
 disagrees (and with 5 when nothing was selected).
 
 ``--processes N --devices-per-process M`` emulates a multi-host run on this machine:
-N processes of M CPU devices each run the same suite in step (:mod:`conformance.launch`),
+N processes of M CPU devices each run the same suite in step (:mod:`conformance.cli.launch`),
 with ``--timeout SECONDS`` (default 3600) and ``--logs DIR`` (default: a new temporary
 directory) for their logs.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import launch
+from conformance.cli import launch
 
 SHORT_OPTIONS = (
     "--family",

@@ -17,9 +17,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from conformance import checkpoints
-from conformance.aqt import COLLECTION, AqtError, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
-from conformance.backends import linen_runner, nnx_runner
 from conformance.checks import (
     BATCH_SIZE,
     agreed_specs,
@@ -31,13 +28,16 @@ from conformance.checks import (
     place_batch,
     shardings_for,
 )
-from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.contract import Family
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.records import emit_verdict, failed
+from conformance.core.sharding import MeshSpec
+from conformance.core.trees import PathMapError, map_paths, structure_diff
 from conformance.quant_checks import check_error_bound, float_params
-from conformance.records import emit_verdict, failed
-from conformance.sharding import MeshSpec
+from conformance.runtime import checkpoints
+from conformance.runtime.aqt import COLLECTION, AqtError, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
+from conformance.runtime.backends import linen_runner, nnx_runner
 from conformance.train_checks import check_train_step
-from conformance.trees import PathMapError, map_paths, structure_diff
 
 AQT_MAX_ERROR = 0.06
 """Bound on the relative L2 error of AQT int8 logits against float logits."""

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from conformance.checkpoints import CheckpointError, CheckpointInfo, convert, restore, save
 from conformance.checks import (
     BATCH_SIZE,
     fail,
@@ -21,14 +20,15 @@ from conformance.checks import (
     place_batch,
     shardings_for,
 )
-from conformance.distributed import host_array
-from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
-from conformance.records import emit, listening, measure
-from conformance.sharding import MeshSpec
+from conformance.contract import Family
+from conformance.core.distributed import host_array
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.records import emit, listening, measure
+from conformance.core.sharding import MeshSpec
+from conformance.core.trees import Flat, specs
+from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, convert, restore, save
+from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer
 from conformance.train_checks import Side, advance, compare_steps, linen_and_nnx
-from conformance.training import flat_state, linen_trainer, nnx_trainer
-from conformance.trees import Flat, specs
 
 
 def trained_sides(
@@ -48,7 +48,7 @@ def _trainer(family: Family, config: Any, backend: str) -> Any:
 def restore_checked(
     family: Family, check: str, directory: Path, target: Any, shardings: Any
 ) -> Flat:
-    """:func:`~conformance.checkpoints.restore`, with a refusal reported as a ``check`` failure."""
+    """:func:`~conformance.runtime.checkpoints.restore`; a refusal fails ``check``."""
     try:
         return restore(directory, target, shardings)
     except CheckpointError as err:

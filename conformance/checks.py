@@ -15,19 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from conformance.attribution import attribution_text, one_device
-from conformance.backends import (
-    LinenRunner,
-    NnxRunner,
-    TransplantError,
-    linen_runner,
-    nnx_runner,
-    transplant,
-)
-from conformance.distributed import host_array
-from conformance.families import Batch, Family, LogicalRules
-from conformance.localise import Divergence, localise
-from conformance.numerics import (
+from conformance.contract import Batch, Family, LogicalRules
+from conformance.core.distributed import host_array
+from conformance.core.numerics import (
     Mismatch,
     Tolerance,
     compare_arrays,
@@ -35,8 +25,8 @@ from conformance.numerics import (
     report,
     tolerance_for,
 )
-from conformance.records import emit, emit_verdict, listening, measure
-from conformance.sharding import (
+from conformance.core.records import emit, emit_verdict, listening, measure
+from conformance.core.sharding import (
     Logical,
     MeshSpec,
     UnknownLogicalAxis,
@@ -44,7 +34,7 @@ from conformance.sharding import (
     resolve_spec,
     spec_to_json,
 )
-from conformance.trees import (
+from conformance.core.trees import (
     Flat,
     LeafSpec,
     PathMapError,
@@ -52,6 +42,16 @@ from conformance.trees import (
     map_paths,
     structure_diff,
 )
+from conformance.runtime.backends import (
+    LinenRunner,
+    NnxRunner,
+    TransplantError,
+    linen_runner,
+    nnx_runner,
+    transplant,
+)
+from conformance.runtime.diagnose.attribution import attribution_text, one_device
+from conformance.runtime.diagnose.localise import Divergence, localise
 
 BATCH_SIZE = 8
 """Rows per batch on device meshes: divisible by every default mesh's batch sharding."""
@@ -100,7 +100,7 @@ def check_structure(family: Family, config: Any) -> dict[str, Any]:
 
     Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
     NNX model's RNG stream variables, which have no Linen counterpart and which train
-    states leave out (see :mod:`conformance.training`).
+    states leave out (see :mod:`conformance.runtime.training`).
     """
     linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
     rules = family.path_rules(config)
@@ -417,9 +417,10 @@ def forward_attribution(
 
     ``logits`` are Linen's and NNX's from ``params`` (each side's own, for the Qwix
     mode ``quant`` when given); both forwards are rerun from the same parameters and
-    batch on :func:`~conformance.attribution.one_device`, so call it only on a failure.
+    batch on :func:`~conformance.runtime.diagnose.attribution.one_device`, so call it only
+    on a failure.
     ``quantized`` (implied by ``quant``): the forward rounds to a quantization grid.
-    Never raises (:func:`~conformance.attribution.attribution_text`).
+    Never raises (:func:`~conformance.runtime.diagnose.attribution.attribution_text`).
     """
 
     def on_one_device() -> tuple[Flat, Flat]:

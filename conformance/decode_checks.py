@@ -1,7 +1,7 @@
 """Prefill and decode checks: the KV cache's layout, self-consistency and Linen/NNX parity.
 
 Both backends serve the same parameters (Linen's, transplanted to NNX) through the same
-loop (:func:`conformance.decoding.generate`): right-padded prompts of different lengths,
+loop (:func:`conformance.runtime.decoding.generate`): right-padded prompts of different lengths,
 then :data:`DECODE_STEPS` greedy tokens. A backend is self-consistent when its prefill
 logits and every decode step's logits equal its own full-sequence forward on the prompt
 plus the tokens it generated; the backends agree when their logits agree at prefill and
@@ -16,8 +16,6 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from conformance.attribution import attribution_text, one_device
-from conformance.backends import linen_runner, nnx_runner, transplant
 from conformance.checks import (
     BATCH_SIZE,
     agreed_specs,
@@ -28,7 +26,21 @@ from conformance.checks import (
     place_batch,
     shardings_for,
 )
-from conformance.decoding import (
+from conformance.contract import Family
+from conformance.core.distributed import host_array
+from conformance.core.numerics import (
+    Mismatch,
+    compare_arrays,
+    compare_trees,
+    report,
+    tolerance_for,
+)
+from conformance.core.records import emit_verdict
+from conformance.core.scope import scoped
+from conformance.core.sharding import MeshSpec, spec_to_json
+from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
+from conformance.runtime.backends import linen_runner, nnx_runner, transplant
+from conformance.runtime.decoding import (
     DecodeError,
     Generation,
     LinenDecoder,
@@ -38,19 +50,7 @@ from conformance.decoding import (
     nnx_decoder,
     prompt_batch,
 )
-from conformance.distributed import host_array
-from conformance.families import Family
-from conformance.numerics import (
-    Mismatch,
-    compare_arrays,
-    compare_trees,
-    report,
-    tolerance_for,
-)
-from conformance.records import emit_verdict
-from conformance.scope import scoped
-from conformance.sharding import MeshSpec, spec_to_json
-from conformance.trees import Flat, PathMapError, map_paths, structure_diff
+from conformance.runtime.diagnose.attribution import attribution_text, one_device
 
 DECODE_STEPS = 8
 """Greedy decode steps after prefill; with the prefill's token, 9 generated tokens."""

@@ -2,10 +2,11 @@
 
 Sharding annotations choose where data lives, never what is computed. The check runs
 each backend's forward and one train step from the same parameters and batch on the
-mesh and on one device (:func:`conformance.attribution.one_device`), and compares the
-logits, the loss, every gradient and the whole next state under the tolerance policy,
-except updated parameter elements whose gradient is rounding noise on both runs
-(:func:`conformance.attribution.noise_masked`: Adam turns that noise into a full step).
+mesh and on one device (:func:`~conformance.runtime.diagnose.attribution.one_device`), and
+compares the logits, the loss, every gradient and the whole next state under the
+tolerance policy, except updated parameter elements whose gradient is rounding noise on
+both runs (:func:`~conformance.runtime.diagnose.attribution.noise_masked`: Adam turns that
+noise into a full step).
 The one-device results are kept on the host and computed once per family and config.
 """
 
@@ -15,16 +16,16 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from conformance.attribution import noise_masked, on_host, one_device
 from conformance.checks import BATCH_SIZE, fail, place_batch
-from conformance.families import Family
-from conformance.numerics import compare_trees, report
-from conformance.records import emit, listening, measure
-from conformance.scope import kept, scoped
-from conformance.sharding import MeshSpec
+from conformance.contract import Family
+from conformance.core.numerics import compare_trees, report
+from conformance.core.records import emit, listening, measure
+from conformance.core.scope import kept, scoped
+from conformance.core.sharding import MeshSpec
+from conformance.core.trees import Flat
+from conformance.runtime.diagnose.attribution import noise_masked, on_host, one_device
+from conformance.runtime.training import flat_state
 from conformance.train_checks import advance, linen_and_nnx, params_of, step_tree
-from conformance.training import flat_state
-from conformance.trees import Flat
 
 CHECK = "sharding_invariance"
 BACKENDS = ("Linen", "NNX")

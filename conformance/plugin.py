@@ -3,7 +3,7 @@
 Registered through the ``pytest11`` entry point, so any project with this package
 installed can run the suite on its own families: ``pytest --pyargs conformance.suite``.
 It also bounds a long run's memory: tests that share compiled programs run together,
-and their :class:`~conformance.scope.Scope` is released when the group changes.
+and their :class:`~conformance.core.scope.Scope` is released when the group changes.
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ import jax.numpy as jnp
 import pytest
 
 import conformance.suite
-from conformance import distributed, scope
-from conformance import families as registry
+from conformance import contract as registry
 from conformance.checks import CheckFailure
-from conformance.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
-from conformance.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.core import distributed, scope
+from conformance.core.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
+from conformance.core.goldens import SUFFIX, GoldenError, GoldenExtension, golden_path, load
+from conformance.core.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
 from conformance.processes import MultiController
 from conformance.progress import CompileClock, Progress
-from conformance.quant import MODES
 from conformance.report.collector import ReportCollector
 from conformance.report.model import header as report_header
 from conformance.report.model import matrix_rows
-from conformance.sharding import InsufficientDevices, MeshSpec, MeshSpecError, parse_mesh
+from conformance.runtime.quant import MODES
 from conformance.tiers import DEFAULT_TIER, TIERS, Tier, TierError, get_tier
 
 DEFAULT_MESHES = ("data=2,fsdp=2,tensor=2", "fsdp=8")
@@ -748,12 +748,12 @@ class ScopePerGroup:
 
     Tests of one :data:`Group` run together (see ``pytest_collection_modifyitems``) and
     share runners, trainers and their executables through the active
-    :class:`~conformance.scope.Scope`; when the group changes, the scope is released, so
+    :class:`~conformance.core.scope.Scope`; when the group changes, the scope is released, so
     a run's memory mappings and RSS stay bounded by one group's programs however many
     families, meshes and layouts it covers. A group whose programs alone pass half of
     the kernel's mapping limit (``vm.max_map_count``) is released early, between two of
     its tests: its later tests recompile what they share, and the run does not crash.
-    Host results (:func:`~conformance.scope.kept`, such as one-device references) stay
+    Host results (:func:`~conformance.core.scope.kept`, such as one-device references) stay
     while the family and layout stay, so each is computed once per family and layout.
     """
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import pytest
 
-from conformance import distributed
+from conformance.core import distributed
 
 _CODES = {"passed": 0, "skipped": 1, "failed": 2}
 

@@ -18,8 +18,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from conformance import checkpoints
-from conformance.backends import LinenRunner, NnxRunner, linen_runner, nnx_runner, transplant
 from conformance.checks import (
     BATCH_SIZE,
     agreed_specs,
@@ -32,13 +30,12 @@ from conformance.checks import (
     resolve_all,
     shardings_for,
 )
-from conformance.distributed import host_array
-from conformance.families import Family
-from conformance.numerics import EXACT, compare_arrays, compare_trees, report
-from conformance.quant import MODES, unused_rules
-from conformance.records import emit_verdict, failed
-from conformance.sharding import MeshSpec
-from conformance.trees import (
+from conformance.contract import Family
+from conformance.core.distributed import host_array
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.records import emit_verdict, failed
+from conformance.core.sharding import MeshSpec
+from conformance.core.trees import (
     Flat,
     PathMapError,
     flatten_state,
@@ -46,6 +43,15 @@ from conformance.trees import (
     structure_diff,
     variable_kind,
 )
+from conformance.runtime import checkpoints
+from conformance.runtime.backends import (
+    LinenRunner,
+    NnxRunner,
+    linen_runner,
+    nnx_runner,
+    transplant,
+)
+from conformance.runtime.quant import MODES, unused_rules
 
 
 def quantized_runners(

@@ -19,11 +19,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from conformance.backends import nnx_runner
-from conformance.checkpoints import CheckpointError, CheckpointInfo, restore, save
 from conformance.checks import BATCH_SIZE, fail, fail_if_any
-from conformance.families import Batch, Family
-from conformance.trees import flatten_state, specs, variable_kind
+from conformance.contract import Batch, Family
+from conformance.core.trees import flatten_state, specs, variable_kind
+from conformance.runtime.backends import nnx_runner
+from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
 
 CHECK = "state_hygiene"
 

@@ -24,9 +24,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from conformance.families import Family
-from conformance.quant import MODES
-from conformance.sharding import MeshSpec
+from conformance.contract import Family
+from conformance.core.sharding import MeshSpec
+from conformance.runtime.quant import MODES
 
 
 class TierError(ValueError):

@@ -14,8 +14,8 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from conformance.families import Family
-from conformance.sharding import MeshSpec
+from conformance.contract import Family
+from conformance.core.sharding import MeshSpec
 from conformance.train_checks import check_step_variant
 
 VOCAB_TILES = 4

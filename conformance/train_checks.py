@@ -15,8 +15,6 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from conformance.attribution import attribution_text, one_device
-from conformance.backends import TransplantError, transplant
 from conformance.checks import (
     BATCH_SIZE,
     fail,
@@ -27,19 +25,11 @@ from conformance.checks import (
     resolve_all,
     shardings_for,
 )
-from conformance.families import Batch, Family
-from conformance.numerics import compare_trees, report
-from conformance.records import emit, listening, measure
-from conformance.sharding import MeshSpec, indivisible, spec_to_json
-from conformance.training import (
-    LinenTrainer,
-    NnxTrainer,
-    flat_state,
-    linen_trainer,
-    masked_token_loss,
-    nnx_trainer,
-)
-from conformance.trees import (
+from conformance.contract import Batch, Family
+from conformance.core.numerics import compare_trees, report
+from conformance.core.records import emit, listening, measure
+from conformance.core.sharding import MeshSpec, indivisible, spec_to_json
+from conformance.core.trees import (
     Flat,
     flatten,
     flatten_state,
@@ -50,6 +40,16 @@ from conformance.trees import (
     specs,
     structure_diff,
     variable_kind,
+)
+from conformance.runtime.backends import TransplantError, transplant
+from conformance.runtime.diagnose.attribution import attribution_text, one_device
+from conformance.runtime.training import (
+    LinenTrainer,
+    NnxTrainer,
+    flat_state,
+    linen_trainer,
+    masked_token_loss,
+    nnx_trainer,
 )
 
 STEPS = 3
@@ -471,10 +471,10 @@ def check_layout_invariance(
     """A variant that must not change numerics does not: ``remat`` or ``scan_layers``.
 
     The plain config is ``size`` with a list of layers; the varied one is
-    :meth:`~conformance.families.Family.variant` with ``remat``, or the scanned config.
+    :meth:`~conformance.contract.Family.variant` with ``remat``, or the scanned config.
     On each backend, one step of each from the same parameters gives the same loss,
     gradients and next parameters; for ``scan_layers`` the plain layout's layers are
-    stacked with the family's :meth:`~conformance.families.Family.layer_stack_rules`.
+    stacked with the family's :meth:`~conformance.contract.Family.layer_stack_rules`.
     A failure also says whether each layout agrees with itself on one device.
     """
     if variant not in LAYOUT_VARIANTS:
@@ -608,7 +608,7 @@ DROPOUT_RATE = 0.1
 def check_dropout(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
     """With dropout on, each backend trains deterministically for a fixed seed.
 
-    The config is :meth:`~conformance.families.Family.variant` with dropout at
+    The config is :meth:`~conformance.contract.Family.variant` with dropout at
     :data:`DROPOUT_RATE`. Two runs of two steps from the same parameters give identical
     losses, and dropout is really applied: the first training loss differs from the
     deterministic forward's.

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from conformance import families
-from conformance.checkpoints import (
+from conformance.cli.convert import main as convert_main
+from conformance.core.trees import LeafSpec, specs
+from conformance.runtime.checkpoints import (
     CheckpointError,
     CheckpointInfo,
     expected_layout,
@@ -16,9 +18,7 @@ from conformance.checkpoints import (
     restore,
     save,
 )
-from conformance.convert import main as convert_main
-from conformance.training import flat_state, linen_trainer
-from conformance.trees import LeafSpec, specs
+from conformance.runtime.training import flat_state, linen_trainer
 
 INFO = CheckpointInfo("llama", "tiny", "linen", False)
 
@@ -133,7 +133,7 @@ def test_unknown_family_in_checkpoint_lists_known_ones(checkpoint, tmp_path, cap
 
 def test_converter_help_runs_as_a_module():
     out = subprocess.run(
-        [sys.executable, "-m", "conformance.convert", "--help"],
+        [sys.executable, "-m", "conformance.cli.convert", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conformance.goldens import GoldenError, dumps, load, normalise
+from conformance.core.goldens import GoldenError, dumps, load, normalise
 
 
 def test_normalise_plain_types():

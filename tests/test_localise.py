@@ -1,4 +1,4 @@
-from conformance.localise import module_pairs
+from conformance.runtime.diagnose.localise import module_pairs
 
 RULES = ((r"^layers_(\d+)/", r"layers/\1/"),)
 MAPPING = {

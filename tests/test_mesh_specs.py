@@ -1,7 +1,7 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conformance.sharding import (
+from conformance.core.sharding import (
     MeshSpec,
     MeshSpecError,
     UnknownLogicalAxis,
@@ -33,7 +33,7 @@ def test_malformed_specs_name_the_valid_forms(text):
 
 
 def test_too_few_devices_is_a_clear_error():
-    from conformance.sharding import InsufficientDevices
+    from conformance.core.sharding import InsufficientDevices
 
     with pytest.raises(InsufficientDevices, match="needs 4096 devices"):
         parse_mesh("16x16x16").devices()

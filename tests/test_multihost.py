@@ -17,7 +17,8 @@ import jax
 import numpy as np
 import pytest
 
-from conformance import distributed, launch
+from conformance.cli import launch
+from conformance.core import distributed
 from tests.faults.installed import FAULTY, install_faulty_family
 
 REPO = Path(__file__).parents[1]

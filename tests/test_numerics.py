@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 
-from conformance.numerics import POLICY, Tolerance, compare_arrays, compare_trees, tolerance_for
+from conformance.core.numerics import (
+    POLICY,
+    Tolerance,
+    compare_arrays,
+    compare_trees,
+    tolerance_for,
+)
 
 
 def test_equal_arrays_agree():

@@ -243,7 +243,7 @@ def test_main_takes_the_plugin_options_without_their_prefix(argv, expanded):
 MEASURING_TEST = """
 import numpy as np
 
-from conformance.records import emit, measure
+from conformance.core.records import emit, measure
 
 def test_measured(family):
     a = np.ones(2, np.float32)

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from conformance.checks import CheckFailure
-from conformance.numerics import Mismatch, Tolerance
-from conformance.records import Measurement, collecting, emit, error_stats, failed, measure
+from conformance.core.numerics import Mismatch, Tolerance
+from conformance.core.records import Measurement, collecting, emit, error_stats, failed, measure
+from conformance.core.scope import Scope
 from conformance.report import plots, render
 from conformance.report.model import (
     SCHEMA_PATH,
@@ -32,7 +33,6 @@ from conformance.report.model import (
     merge,
     write_part,
 )
-from conformance.scope import Scope
 from conformance.train_checks import check_train_step
 from tests.faults.catalogue import RopeBase
 from tests.faults.installed import FAULTY, install_faulty_family

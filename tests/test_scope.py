@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from conformance.scope import Scope, kept, mapping_count, scoped
+from conformance.core.scope import Scope, kept, mapping_count, scoped
 
 BUILT = []
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conformance import families
-from conformance.training import flat_state, linen_trainer, nnx_trainer, step_streams
+from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer, step_streams
 
 
 def _dropout_config():

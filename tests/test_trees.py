@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from conformance.trees import (
+from conformance.core.trees import (
     LeafSpec,
     PathMapError,
     check_bijection,

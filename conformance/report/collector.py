@@ -1,7 +1,7 @@
 """The pytest plugin that records a run for its report (``--conformance-report DIR``).
 
 It collects each test's outcome, duration, failure text and the measurements its checks
-emitted (:mod:`conformance.records`), writes the process's part when the session ends
+emitted (:mod:`conformance.core.records`), writes the process's part when the session ends
 and re-renders the merged report. Under pytest-xdist the workers measure and the
 controller writes: measurements travel on the test reports.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conformance import records
+from conformance.core import records
 from conformance.report import render
 from conformance.report.model import (
     Json,

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.numerics import Mismatch, Tolerance
-from conformance.records import Measurement
+from conformance.core.numerics import Mismatch, Tolerance
+from conformance.core.records import Measurement
 
 SCHEMA_ID = "conformance-report/1"
 """The ``schema`` field of every report; ``schema.json`` beside this module describes it."""
@@ -70,7 +70,7 @@ def mismatch_json(m: Mismatch) -> Json:
 
 
 def measurement_json(m: Measurement) -> Json:
-    """One comparison's numbers (:class:`~conformance.records.Measurement`) as JSON."""
+    """One comparison's numbers (:class:`~conformance.core.records.Measurement`) as JSON."""
     return {
         "title": m.title,
         "names": list(m.names),

@@ -2,7 +2,6 @@
 
 import pytest
 
-from conformance.aqt import known_failure
 from conformance.aqt_checks import (
     check_aqt_convert,
     check_aqt_forward,
@@ -10,6 +9,7 @@ from conformance.aqt_checks import (
     check_aqt_serve,
     check_aqt_train_step,
 )
+from conformance.runtime.aqt import known_failure
 
 pytestmark = pytest.mark.capability("aqt")
 

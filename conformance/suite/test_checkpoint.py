@@ -3,7 +3,7 @@
 import pytest
 
 from conformance.checkpoint_checks import check_checkpoint_conversion, check_checkpoint_roundtrip
-from conformance.checkpoints import CheckpointInfo
+from conformance.runtime.checkpoints import CheckpointInfo
 
 LAYOUT_PAIRS = {
     "loop-loop": (False, False),

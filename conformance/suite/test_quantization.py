@@ -2,13 +2,13 @@
 
 import pytest
 
-from conformance.quant import known_failure
 from conformance.quant_checks import (
     check_quant_checkpoint,
     check_quant_forward,
     check_quant_hygiene,
     check_quant_params,
 )
+from conformance.runtime.quant import known_failure
 from conformance.train_checks import check_train_step
 
 

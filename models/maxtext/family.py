@@ -30,7 +30,7 @@ from conformance.families import (
     PathRules,
     QuantScope,
 )
-from conformance.quant import MODES
+from conformance.runtime.quant import MODES
 from conformance_models.data import make_batch
 from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
 

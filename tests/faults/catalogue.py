@@ -20,12 +20,12 @@ from jax.sharding import PartitionSpec as P
 from qwix._src.core import dot_general as qwix_dot_general
 from qwix._src.utils import flax_util as qwix_flax_util
 
-from conformance import checkpoints, decoding, quant, training
-from conformance.checkpoints import cast_counters as checkpoints_cast_counters
-from conformance.decoding import decode_positions as decoding_positions
+from conformance.core.trees import restack as checkpoints_restack
 from conformance.families import Family, QuantScope
-from conformance.training import NnxTrainer, NnxTrainState, split_batch
-from conformance.trees import restack as checkpoints_restack
+from conformance.runtime import checkpoints, decoding, quant, training
+from conformance.runtime.checkpoints import cast_counters as checkpoints_cast_counters
+from conformance.runtime.decoding import decode_positions as decoding_positions
+from conformance.runtime.training import NnxTrainer, NnxTrainState, split_batch
 from conformance_models import common, nnx_layers
 from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family

@@ -1,6 +1,6 @@
 import pytest
 
-from conformance.scope import Scope
+from conformance.core.scope import Scope
 
 
 @pytest.fixture(autouse=True)

@@ -18,7 +18,6 @@ from conformance.aqt_checks import (
     check_aqt_train_step,
 )
 from conformance.checkpoint_checks import check_checkpoint_conversion, restore_checked
-from conformance.checkpoints import CheckpointInfo, expected_layout, save
 from conformance.checks import (
     CheckFailure,
     check_forward,
@@ -26,6 +25,7 @@ from conformance.checks import (
     check_sharding,
     check_structure,
 )
+from conformance.core.sharding import MeshSpec, parse_mesh
 from conformance.decode_checks import check_decode, check_decode_cache, check_decode_consistency
 from conformance.invariance_checks import BACKENDS, check_sharding_invariance
 from conformance.quant_checks import (
@@ -34,7 +34,8 @@ from conformance.quant_checks import (
     check_quant_hygiene,
     check_quant_params,
 )
-from conformance.sharding import MeshSpec, parse_mesh
+from conformance.runtime.checkpoints import CheckpointInfo, expected_layout, save
+from conformance.runtime.training import flat_state, nnx_trainer
 from conformance.state_checks import check_state_hygiene
 from conformance.tiling_checks import check_vocab_tiling
 from conformance.train_checks import (
@@ -44,7 +45,6 @@ from conformance.train_checks import (
     check_optimizer_sharding,
     check_train_step,
 )
-from conformance.training import flat_state, nnx_trainer
 from tests.faults.catalogue import FAULTS, Fault
 
 TOPOLOGY = parse_mesh("4x8x8")

@@ -1,7 +1,7 @@
 """AQT (aqtp) on both backends: freeze float kernels into int8 ones, and serve from them.
 
 TRAIN mode needs nothing here: a family's ``aqt_config(config, "train")`` is an ordinary
-config, run by the runners of :mod:`conformance.backends`. CONVERT runs float
+config, run by the runners of :mod:`conformance.runtime.backends`. CONVERT runs float
 parameters through the convert-mode model, whose forward writes every frozen kernel
 (``qvalue`` int8 plus ``scale``) to the ``aqt`` collection (in NNX an ``aqt`` Variable,
 through ``nnx.bridge``). SERVE runs the serve-mode model, whose parameters are the float
@@ -20,7 +20,11 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from conformance.backends import (
+from conformance.contract import Batch, Family
+from conformance.core.scope import scoped
+from conformance.core.sharding import Logical, linen_logical
+from conformance.core.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
+from conformance.runtime.backends import (
     LinenRunner,
     NnxRunner,
     linen_runner,
@@ -28,10 +32,6 @@ from conformance.backends import (
     model_inputs,
     nnx_runner,
 )
-from conformance.families import Batch, Family
-from conformance.scope import scoped
-from conformance.sharding import Logical, linen_logical
-from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
 
 COLLECTION = "aqt"
 """AQT's collection of frozen tensors (``AqtDotGeneral.quant_collection``'s default)."""

@@ -3,7 +3,7 @@
 Parameters of both sides are handled as flat ``{canonical path: array}`` dicts, so that
 transplanting, comparing and reporting never depend on how a backend nests its trees.
 Runners are memoised per ``(family, config, quant)`` in the active
-:class:`~conformance.scope.Scope`: their jitted functions compile once per input sharding
+:class:`~conformance.core.scope.Scope`: their jitted functions compile once per input sharding
 and are reused by every check in the scope, and released with it.
 """
 
@@ -19,12 +19,11 @@ from flax.linen import fp8_ops
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
-from conformance.distributed import place
-from conformance.families import Batch, Family
-from conformance.quant import MODES, quantize_linen, quantize_nnx
-from conformance.scope import scoped
-from conformance.sharding import Logical, linen_logical, nnx_logical
-from conformance.trees import (
+from conformance.contract import Batch, Family
+from conformance.core.distributed import place
+from conformance.core.scope import scoped
+from conformance.core.sharding import Logical, linen_logical, nnx_logical
+from conformance.core.trees import (
     Flat,
     LeafSpec,
     check_bijection,
@@ -37,6 +36,7 @@ from conformance.trees import (
     unflatten,
     variable_kind,
 )
+from conformance.runtime.quant import MODES, quantize_linen, quantize_nnx
 
 HIDDEN_STATES = "hidden_states"
 
@@ -73,7 +73,7 @@ def _provider(family: Family, config: Any, quant: str | None) -> QuantizationPro
 class LinenRunner:
     """A family's Linen module: abstract layout, sharded init and a jitted forward.
 
-    With ``quant`` (a name in :data:`conformance.quant.MODES`) the module is quantized
+    With ``quant`` (a name in :data:`conformance.runtime.quant.MODES`) the module is quantized
     by Qwix: its parameters are the quantized layout (``qvalue``/``scale`` leaves for
     PTQ), and :meth:`quantize` turns float parameters into them.
     """

@@ -2,7 +2,7 @@
 
 A mode is a method (``qat``: fake-quantized forward over float parameters; ``ptq``:
 parameters stored as ``qvalue`` plus ``scale``) and a type for weights and activations.
-Rules target what the family's :class:`~conformance.families.QuantScope` names. The
+Rules target what the family's :class:`~conformance.contract.QuantScope` names. The
 harness never trusts a rule to have matched: every provider is kept so that a rule which
 matched no operation (a silent no-op) can be reported.
 """
@@ -17,7 +17,7 @@ import qwix
 from flax import linen as nn
 from flax import nnx
 
-from conformance.families import QuantScope
+from conformance.contract import QuantScope
 
 
 @dataclasses.dataclass(frozen=True)

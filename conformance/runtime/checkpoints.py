@@ -22,12 +22,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
-from conformance import distributed
-from conformance.backends import linen_runner, path_map
-from conformance.distributed import host_array
-from conformance.families import Family
-from conformance.training import flat_state, linen_trainer, nnx_trainer
-from conformance.trees import (
+from conformance.contract import Family
+from conformance.core import distributed
+from conformance.core.distributed import host_array
+from conformance.core.trees import (
     Flat,
     LeafSpec,
     flatten,
@@ -37,6 +35,8 @@ from conformance.trees import (
     specs,
     unflatten,
 )
+from conformance.runtime.backends import linen_runner, path_map
+from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer
 
 FORMAT_VERSION = 1
 INFO_FILE = "conformance.json"

@@ -6,7 +6,7 @@ code mapped into the process; a long run that never lets go of them grows its me
 mappings by hundreds per test until the kernel's ``vm.max_map_count`` (65,530 by
 default) is reached and XLA crashes while compiling.
 
-So the factories that build those objects (:func:`conformance.backends.linen_runner`
+So the factories that build those objects (:func:`conformance.runtime.backends.linen_runner`
 and the like) are :func:`scoped`: they memoise in the innermost active :class:`Scope`,
 and leaving the scope drops everything built in it and clears jax's own caches, so the
 next programs reuse the freed memory. Within a scope, checks that run the same

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.distributed import host_array
+from conformance.core.distributed import host_array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from conformance.distributed import host_array
-from conformance.numerics import Mismatch, Tolerance, report, tolerance_for
+from conformance.core.distributed import host_array
+from conformance.core.numerics import Mismatch, Tolerance, report, tolerance_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ def emit_verdict(
 def failed(
     title: str, mismatches: list[Mismatch], names: tuple[str, str] = ("Linen", "NNX")
 ) -> str:
-    """:func:`~conformance.numerics.report`'s failure text; emits the failing comparison.
+    """:func:`~conformance.core.numerics.report`'s failure text; emits the failing comparison.
 
     For checks that measure nothing while passing: the measurement holds the
     mismatches, and its errors are the worst mismatching leaf's (``used`` at that

@@ -32,11 +32,11 @@ from flax import nnx
 from flax.core import tracers
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from conformance.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
-from conformance.distributed import host_array, is_multiprocess
-from conformance.families import Batch, PathRules
-from conformance.numerics import Mismatch, compare_arrays
-from conformance.trees import Flat, join_path, map_paths
+from conformance.contract import Batch, PathRules
+from conformance.core.distributed import host_array, is_multiprocess
+from conformance.core.numerics import Mismatch, compare_arrays
+from conformance.core.trees import Flat, join_path, map_paths
+from conformance.runtime.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
 
 CallKey = tuple[str, str, int]
 """``(module path, method name, how many calls of it came before)``."""

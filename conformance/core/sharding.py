@@ -19,8 +19,8 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from conformance.families import LogicalRules
-from conformance.trees import flatten, flatten_state
+from conformance.contract import LogicalRules
+from conformance.core.trees import flatten, flatten_state
 
 Logical = tuple[str | None, ...] | None
 """Logical axis names of one leaf, one per dimension; ``None`` if the leaf has none."""

@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from conformance.distributed import host_array
-from conformance.numerics import Mismatch, compare_trees, tolerance_for
-from conformance.sharding import MESH_AXES, MeshSpec
-from conformance.trees import Flat
+from conformance.core.distributed import host_array
+from conformance.core.numerics import Mismatch, compare_trees, tolerance_for
+from conformance.core.sharding import MESH_AXES, MeshSpec
+from conformance.core.trees import Flat
 
 Pair = tuple[Flat, Flat]
 """Two sides' results, each ``{path: array}`` with the same paths."""
@@ -68,7 +68,7 @@ def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
 def compare_runs(first: Flat, second: Flat) -> list[Mismatch]:
     """Mismatches between two runs of one computation, Adam's noise steps aside.
 
-    :func:`~conformance.numerics.compare_trees` after :func:`noise_masked`, which
+    :func:`~conformance.core.numerics.compare_trees` after :func:`noise_masked`, which
     changes nothing in results without gradients.
     """
     return compare_trees(first, noise_masked(first, second)[0])

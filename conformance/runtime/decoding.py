@@ -1,7 +1,7 @@
 """Serving on both backends: an empty KV cache, a padded prompt's prefill, greedy decode.
 
 Both decoders speak flat ``{canonical path: array}`` dicts for parameters and cache, as
-the runners in :mod:`conformance.backends` do, and jit each mode once per cache sharding.
+the runners in :mod:`conformance.runtime.backends` do, and jit each mode once per cache sharding.
 :func:`generate` drives either one through the same loop, so a difference between the
 backends can only come from the models.
 """
@@ -20,12 +20,20 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.backends import linen_runner, mesh_of, model_inputs, nnx_runner
-from conformance.distributed import host_array
-from conformance.families import Batch, Family
-from conformance.scope import scoped
-from conformance.sharding import Logical, linen_logical, nnx_logical
-from conformance.trees import Flat, LeafSpec, flatten, flatten_state, join_path, specs, unflatten
+from conformance.contract import Batch, Family
+from conformance.core.distributed import host_array
+from conformance.core.scope import scoped
+from conformance.core.sharding import Logical, linen_logical, nnx_logical
+from conformance.core.trees import (
+    Flat,
+    LeafSpec,
+    flatten,
+    flatten_state,
+    join_path,
+    specs,
+    unflatten,
+)
+from conformance.runtime.backends import linen_runner, mesh_of, model_inputs, nnx_runner
 
 CacheShardings = Mapping[str, NamedSharding]
 
@@ -95,7 +103,7 @@ class NnxDecoder:
     """An NNX family served through ``nnx.Cache`` variables, for ``rows`` prompts.
 
     The model's ``init_cache(rows)`` creates the cache; non-parameter, non-cache state
-    (RNG streams) comes from :meth:`conformance.backends.NnxRunner.rest`.
+    (RNG streams) comes from :meth:`conformance.runtime.backends.NnxRunner.rest`.
     """
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:

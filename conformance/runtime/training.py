@@ -10,7 +10,7 @@ real, by segment id; no token value is taken for padding), optimised with AdamW 
 warmup-cosine schedule after global-norm clipping. With ``micro_batches > 1`` the batch
 is split along its first axis, and summed losses, token counts and gradients are
 accumulated before one update, so the result equals a step on the whole batch. With
-``vocab_tiles > 1`` the family's :meth:`~conformance.families.Family.vocab_tiling_config`
+``vocab_tiles > 1`` the family's :meth:`~conformance.contract.Family.vocab_tiling_config`
 computes the loss inside the model, and the step differentiates its mean.
 
 NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
@@ -34,11 +34,18 @@ from flax import nnx
 from flax.nnx import variablelib
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conformance.backends import OVERWRITE, linen_runner, mesh_of, nnx_runner
-from conformance.families import Batch, Family
-from conformance.scope import scoped
-from conformance.sharding import Logical, nnx_logical
-from conformance.trees import Flat, flatten, flatten_state, join_path, mirrored_param, unflatten
+from conformance.contract import Batch, Family
+from conformance.core.scope import scoped
+from conformance.core.sharding import Logical, nnx_logical
+from conformance.core.trees import (
+    Flat,
+    flatten,
+    flatten_state,
+    join_path,
+    mirrored_param,
+    unflatten,
+)
+from conformance.runtime.backends import OVERWRITE, linen_runner, mesh_of, nnx_runner
 
 STREAMS_SEED = 0
 """Seed of the RNG streams a train step draws (folded with the step counter)."""

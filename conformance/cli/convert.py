@@ -1,8 +1,8 @@
 """Convert a checkpoint between the Linen and NNX layouts (and layer layouts).
 
-Usage: ``python -m conformance.convert SRC DST [--to {auto,linen,nnx}] [--layout
+Usage: ``python -m conformance.cli.convert SRC DST [--to {auto,linen,nnx}] [--layout
 {same,loop,scan}]``. SRC is a checkpoint directory written by
-:func:`conformance.checkpoints.save`; its ``conformance.json`` names the family, size,
+:func:`conformance.runtime.checkpoints.save`; its ``conformance.json`` names the family, size,
 backend and layout. SRC is only read: DST must not exist, must not be inside SRC, and is
 written to a temporary sibling first and renamed into place. Before converting, SRC is
 restored strictly against the train state its family and size define, so a checkpoint
@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from conformance import families
-from conformance.checkpoints import (
+from conformance import contract
+from conformance.runtime.checkpoints import (
     CheckpointError,
     convert,
     expected_layout,
@@ -29,7 +29,7 @@ from conformance.checkpoints import (
 def parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     cli = argparse.ArgumentParser(
-        prog="python -m conformance.convert",
+        prog="python -m conformance.cli.convert",
         description="Convert a conformance train-state checkpoint between Linen and NNX.",
     )
     cli.add_argument("source", type=Path, help="checkpoint directory to read (never written)")
@@ -53,8 +53,8 @@ def parser() -> argparse.ArgumentParser:
 def run(source: Path, destination: Path, to: str = "auto", layout: str = "same") -> str:
     """Convert ``source`` into the new ``destination``; return a one-line summary.
 
-    Raises :class:`~conformance.checkpoints.CheckpointError` or
-    :class:`~conformance.families.FamilyError` with the reason; nothing is written then.
+    Raises :class:`~conformance.runtime.checkpoints.CheckpointError` or
+    :class:`~conformance.contract.FamilyError` with the reason; nothing is written then.
     """
     source, destination = source.resolve(), destination.resolve()
     if destination.exists():
@@ -62,7 +62,7 @@ def run(source: Path, destination: Path, to: str = "auto", layout: str = "same")
     if destination.is_relative_to(source):
         raise CheckpointError(f"{destination} is inside the source {source}; choose another place")
     info = read_info(source)
-    family = families.get(info.family)
+    family = contract.get(info.family)
     config = family.config(info.size, scan_layers=info.scan_layers)
     try:
         state = restore(source, expected_layout(family, config, info.backend))
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         print(run(args.source, args.destination, args.to, args.layout))
-    except (CheckpointError, families.FamilyError) as err:
+    except (CheckpointError, contract.FamilyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

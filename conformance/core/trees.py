@@ -16,8 +16,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from conformance.distributed import host_array
-from conformance.families import PathRules
+from conformance.contract import PathRules
+from conformance.core.distributed import host_array
 
 Flat = dict[str, Any]
 

@@ -1,0 +1,314 @@
+"""The Family contract: what a model family tells the harness, and nothing else.
+
+A *family* tells the harness how to build one model twice, once with Flax Linen and
+once with Flax NNX, and how the two parameter trees correspond. This module imports no
+other harness module: it is the whole interface a model zoo writes against.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import nnx
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+"""Logical-axis rules, ``(logical_name, mesh_axis or axes or None)``, first match wins."""
+
+PathRules = Sequence[tuple[str, str]]
+"""Regex rewrites ``(pattern, replacement)`` taking a Linen parameter path to its NNX path."""
+
+
+class FamilyError(LookupError):
+    """A family name or a family definition is not usable."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A deterministic batch: int32 arrays of shape ``[batch, seq]``.
+
+    ``segment_ids`` is nonzero on real tokens and 0 on padding; ``targets`` are the next
+    tokens. The loss trains on the target at a position when that position and the next
+    are real (so never on the last column, nor past a row's end): no token value is
+    treated as padding. A pytree, so it can be passed to jitted functions and placed
+    with ``device_put``.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    targets: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScope:
+    """What quantization rules target: modules by path regex, and operations by name."""
+
+    module_path: str = ".*"
+    """Regex fully matching the module path (``layers_0/mlp/wi`` in Linen, ``layers/0/...``
+    in NNX), so it must accept both backends' spellings."""
+    op_names: tuple[str, ...] = ("dot_general",)
+    """Intercepted ``jax`` operations to quantize (``dot_general``, ``einsum``, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a family supports; every test that needs what it lacks skips with a reason.
+
+    The defaults describe a family with nothing optional: one unscanned layer layout,
+    no remat or dropout variant, no decode, no quantization.
+    """
+
+    scan_layers: tuple[bool, ...] = (False,)
+    """Layer layouts supported (``True``: scanned), the family's preferred one first: the
+    ``smoke`` tier runs only that one. Declaring both requires
+    :meth:`Family.layer_stack_rules`: the layout checks and cross-layout checkpoint
+    conversions stack one layout's layers into the other's."""
+    remat: bool = False
+    """:meth:`Family.variant` gives a rematerialised config (``layout[remat]``)."""
+    dropout: bool = False
+    """:meth:`Family.variant` gives a config with dropout (``dropout``)."""
+    decode: bool = False
+    """Prefill and decode with a KV cache (the ``mode`` keyword; see :class:`Family`)."""
+    moe: bool = False
+    quantization: frozenset[str] = frozenset()
+    """Qwix modes (names in :data:`conformance.runtime.quant.MODES`) the family supports."""
+    aqt: bool = False
+    """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
+    vocab_tiling: bool = False
+    """A training loss computed from the logits a few rows at a time, through
+    :meth:`Family.vocab_tiling_config`."""
+    fp8: bool = False
+    """FP8 training with delayed scaling through :meth:`Family.fp8_config`."""
+
+    @property
+    def preferred_scan_layers(self) -> bool:
+        """The family's preferred layer layout: the first of :attr:`scan_layers`."""
+        return self.scan_layers[0] if self.scan_layers else False
+
+
+class Family(abc.ABC):
+    """One model family, written for both backends: the whole contract with the harness.
+
+    Required: :attr:`name`, :meth:`config`, :meth:`linen_module`, :meth:`nnx_module`,
+    :meth:`batch` and :meth:`logical_axis_rules`. Everything else has a default that
+    suits a family which ignores it, or is guarded by a :class:`Capabilities` field
+    whose tests skip, with the reason, when the family does not declare it.
+
+    Configs must be hashable (a frozen dataclass is): the harness builds each side once
+    per config and reuses it. Modules are called as follows:
+
+    * ``linen_module(config).apply({"params": p}, tokens, positions, segment_ids,
+      **kwargs)`` and ``nnx_module(config, rngs)(tokens, positions, segment_ids,
+      **kwargs)`` return logits ``[batch, seq, vocab]`` in the config's compute dtype.
+      ``kwargs`` is empty in evaluation and :meth:`train_kwargs` in a training step,
+      where Linen also gets one key per stream in :attr:`train_rngs`.
+    * Optionally, both sides sow the stacked outputs of their decoder blocks, ``[layers,
+      batch, seq, d_model]``, as an intermediate named ``hidden_states`` on the top module
+      (Linen collection ``intermediates``; NNX ``nnx.Intermediate``). The harness records
+      every module call itself and names the first whose inputs agree and whose output
+      diverges; the sown states only name the block when that recording stops at a Linen
+      ``nn.scan`` (README, "Localisation").
+    * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
+      NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
+    * With ``Capabilities(decode=True)``, both sides also take a call-time keyword
+      ``mode``: ``"forward"`` (the default), ``"prefill"`` (a right-padded prompt, whose
+      keys and values fill the cache) or ``"decode"`` (one token per row, at the
+      positions given, against the cache). Linen keeps the cache in the ``cache``
+      collection, created empty by ``init(..., mode="prefill")``; NNX keeps it in
+      ``nnx.Cache`` variables created empty by ``model.init_cache(batch_size)``. Cache
+      leaves carry logical axis names and map between backends by :meth:`path_rules`.
+    * With ``Capabilities(vocab_tiling=True)``, the modules of a
+      :meth:`vocab_tiling_config` also take the keywords ``targets`` and
+      ``target_weights`` (``[batch, seq]``) in a training call and then return the
+      weighted sum of next-token cross entropy (a float32 scalar) instead of logits.
+    """
+
+    name: str
+    """Registry name, lower case, used in test ids."""
+
+    sizes: tuple[str, ...] = ("tiny",)
+    """Config sizes. The first is run on devices by every numeric check; the others (for
+    example production sizes) are only evaluated abstractly: structure and sharding
+    goldens, without allocating parameters."""
+
+    capabilities: Capabilities = Capabilities()
+
+    known_divergences: Mapping[str, str] = MappingProxyType({})
+    """Checks this family is known to fail, each with the reason: a finding, not noise.
+
+    A key is a check name (``"grad_accumulation"``) or a check narrowed to the test ids
+    containing a fragment (``"layout[remat]"``). The suite marks those tests as strict
+    expected failures, so a fix upstream turns them red until the entry is removed.
+    """
+
+    unsupported: Mapping[str, str] = MappingProxyType({})
+    """Why the family lacks a capability (``{"decode": "..."}``), shown in the skip reason."""
+
+    batch_axis: str = "batch"
+    """Logical name of a batch's leading axis; batches are placed by resolving it."""
+
+    train_rngs: tuple[str, ...] = ()
+    """Linen RNG streams a training forward draws (``("dropout",)``); none by default.
+    Each step passes one key per stream, derived from the step counter."""
+
+    layer_stack_axis: int = 0
+    """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
+
+    @property
+    def device_size(self) -> str:
+        """The size every numeric check runs on devices: the first of :attr:`sizes`."""
+        return self.sizes[0]
+
+    @abc.abstractmethod
+    def config(self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32) -> Any:
+        """Return the config of ``size`` with the given layer layout and compute dtype.
+
+        ``scan_layers`` is one of :attr:`Capabilities.scan_layers`; the config must train
+        deterministically (no dropout: :meth:`variant` turns it on).
+        """
+
+    @abc.abstractmethod
+    def linen_module(self, config: Any) -> nn.Module:
+        """Return the Linen module for ``config``."""
+
+    @abc.abstractmethod
+    def nnx_module(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+        """Return the NNX module for ``config``, initialised from ``rngs``."""
+
+    @abc.abstractmethod
+    def batch(self, config: Any, batch_size: int, seed: int = 0) -> Batch:
+        """Return a deterministic batch for ``config`` (same seed, same batch)."""
+
+    @abc.abstractmethod
+    def logical_axis_rules(self) -> LogicalRules:
+        """Return the logical-axis rules both backends are sharded with."""
+
+    def axis_rules(self, config: Any) -> LogicalRules:
+        """The logical-axis rules ``config``'s parameters are resolved with for sharding goldens.
+
+        By default :meth:`logical_axis_rules`, for every size. A family whose production
+        sizes bring their own rules (MaxText's model ymls) returns each config's. Arrays
+        placed on devices (the device size) always follow :meth:`logical_axis_rules`, so
+        for the device size the two must agree; ``sharding`` fails if they do not.
+        """
+        del config
+        return self.logical_axis_rules()
+
+    def unavailable(self) -> str | None:
+        """Why the family cannot run in this environment (one line), or ``None`` if it can.
+
+        A family wrapping an optional dependency returns the install hint here; the
+        suite then skips every test on the family with this reason.
+        """
+        return None
+
+    def sequence_length(self, config: Any) -> int:
+        """The longest sequence ``config`` runs (decode fits prompts and steps in it).
+
+        By default the length of the family's own batch.
+        """
+        return int(self.batch(config, 1).tokens.shape[1])
+
+    def train_kwargs(self, config: Any) -> Mapping[str, Any]:
+        """Keyword arguments both modules take in a training forward; none by default.
+
+        The built-in families return ``{"deterministic": False}``, so that dropout (when
+        a :meth:`variant` turns it on) applies in training only.
+        """
+        del config
+        return {}
+
+    def with_mesh(self, config: Any, mesh: jax.sharding.Mesh) -> Any:
+        """``config`` for modules that constrain their activations on ``mesh``.
+
+        ``mesh`` is the device mesh the harness places parameters and batches on: the
+        test's mesh, or one device for the one-device reference. A family whose modules
+        take a mesh (MaxText's build their own from the config) must use exactly this
+        one, so that a partitioned run and the one-device run differ only in placement.
+        The result must be hashable and compare unequal for different meshes. Identity
+        by default: modules that only annotate parameters need no mesh.
+        """
+        del mesh
+        return config
+
+    def variant(self, config: Any, *, remat: bool = False, dropout: float = 0.0) -> Any:
+        """``config`` rematerialised (``remat``) or with dropout at rate ``dropout``.
+
+        Neither may change what one step computes from the same parameters and keys;
+        ``layout[remat]`` and ``dropout`` check that. Required with
+        ``Capabilities(remat=True)`` or ``Capabilities(dropout=True)``; by default the
+        family has no variant.
+        """
+        wanted = [w for w, on in (("remat", remat), (f"dropout {dropout}", dropout)) if on]
+        if wanted:
+            raise FamilyError(f"{self.name} has no {' or '.join(wanted)} variant")
+        return config
+
+    def path_rules(self, config: Any) -> PathRules:
+        """Rewrites from Linen parameter paths to NNX ones; identity by default."""
+        del config
+        return ()
+
+    def layer_stack_rules(self, config: Any) -> PathRules:
+        r"""Rewrites from unscanned Linen parameter paths to scanned ones.
+
+        Each pattern captures the layer index in a group named ``layer``, e.g.
+        ``(r"^layers_(?P<layer>\d+)/", "layers/")``; leaves of all layers are stacked on
+        a new axis (:attr:`layer_stack_axis`) in index order. Required when
+        :attr:`Capabilities.scan_layers` declares both layouts; empty by default.
+        """
+        del config
+        return ()
+
+    def quantization_scope(self, config: Any) -> QuantScope:
+        """What quantization targets; by default every ``jax.lax.dot_general``."""
+        del config
+        return QuantScope()
+
+    def aqt_config(self, config: Any, mode: str) -> Any:
+        """``config`` with its projections quantized by AQT (aqtp) int8 in ``mode``.
+
+        ``mode`` is ``"train"`` (fake-quantized over float kernels), ``"convert"`` (the
+        forward also writes each frozen kernel, ``qvalue`` int8 plus ``scale``, to the
+        ``aqt`` collection; NNX through ``nnx.bridge.ToNNX``, an ``aqt`` Variable) or
+        ``"serve"`` (kernels are read from there; the float kernels are not parameters).
+        Required with ``Capabilities(aqt=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
+
+    def fp8_config(self, config: Any) -> Any:
+        """``config`` whose projections compute in FP8 with delayed scaling.
+
+        Flax's FP8 ops (``flax.linen.fp8_ops``; on NNX bridged with ``nnx.bridge``) keep
+        their scales and amax histories in the ``_overwrite_with_gradient`` collection
+        (Linen) or Variable type (NNX): a train step replaces them with their gradient,
+        which is their next value, and optimises only the parameters. Required with
+        ``Capabilities(fp8=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support FP8 training")
+
+    def vocab_tiling_config(self, config: Any, tiles: int) -> Any:
+        """``config`` whose training loss computes the logits ``tiles`` slices at a time.
+
+        The batch's ``batch x seq`` positions are cut into ``tiles`` equal slices and
+        each slice's logits are computed and reduced to its loss separately, so the
+        ``[batch, seq, vocab]`` logits never exist at once. Its modules return that loss
+        when called with ``targets`` and ``target_weights`` (see :class:`Family`), and
+        hold exactly ``config``'s parameters. Required with
+        ``Capabilities(vocab_tiling=True)``.
+        """
+        del config
+        raise FamilyError(f"{self.name} does not support vocab tiling ({tiles} tiles)")
+
+    def __repr__(self) -> str:
+        return f"<Family {self.name}>"
