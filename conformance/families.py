@@ -8,6 +8,7 @@ Family, Capabilities, Batch, QuantScope``) and registers them under the
 from conformance.contract import (
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
+    QUANTIZATION_MODES,
     Batch,
     Capabilities,
     Family,
@@ -29,6 +30,7 @@ __all__ = [
     "Family",
     "FamilyError",
     "LogicalRules",
+    "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",
     "builtin",

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from conformance.core.sharding import parse_mesh
-from conformance.runtime.diagnose.attribution import attribute, attribution_text, one_device
+from conformance.core.sharding import one_device, parse_mesh
+from conformance.runtime.diagnose.attribution import attribute, attribution_text
 
 MESH = parse_mesh("data=2,fsdp=2,tensor=2")
 GOOD = {"grads/w": np.ones(4, np.float32)}

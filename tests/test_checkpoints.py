@@ -133,7 +133,7 @@ def test_unknown_family_in_checkpoint_lists_known_ones(checkpoint, tmp_path, cap
 
 def test_converter_help_runs_as_a_module():
     out = subprocess.run(
-        [sys.executable, "-m", "conformance.cli.convert", "--help"],
+        [sys.executable, "-m", "conformance.convert", "--help"],
         capture_output=True,
         text=True,
         check=True,

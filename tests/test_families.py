@@ -1,12 +1,13 @@
-"""The Family contract's optional parts: selection by glob, availability, known divergences."""
+"""The Family contract: selection by glob, availability, known divergences."""
 
 import importlib.metadata
-from types import MappingProxyType, SimpleNamespace
+from types import MappingProxyType
 
 import pytest
 
 from conformance import families
-from conformance.plugin import known_divergence
+from conformance.checks import registry
+from conformance.core.failure import CheckFailure
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext.family import MAXTEXT_VERSION, MaxTextFamily
 
@@ -71,10 +72,6 @@ class Diverging(Gpt3Family):
     )
 
 
-def _item(check, case):
-    return SimpleNamespace(originalname=f"test_{check}", callspec=SimpleNamespace(id=case))
-
-
 @pytest.mark.parametrize(
     ("check", "case", "expected"),
     [
@@ -84,6 +81,15 @@ def _item(check, case):
         ("train_step", "gpt3-fsdp8-loop", None),
     ],
 )
-def test_a_known_divergence_names_a_check_and_optionally_a_case(check, case, expected, monkeypatch):
-    monkeypatch.setattr("conformance.plugin.check_name", lambda item: item.originalname[5:])
-    assert known_divergence(Diverging(), _item(check, case)) == expected
+def test_a_known_divergence_names_a_check_and_optionally_a_case(check, case, expected):
+    found = registry.expected_failure(registry.get(check), Diverging(), {}, case)
+    assert (found and found.reason) == expected
+    assert found is None or found.raises is None, "a family's finding may fail any way"
+
+
+def test_a_known_library_failure_must_fail_as_a_check_failure():
+    values = {"quant": "ptq_int8", "scan_layers": True}
+    found = registry.expected_failure(registry.get("quant_forward"), Gpt3Family(), values, "x")
+    assert found is not None
+    assert "qwix 0.1.8" in found.reason
+    assert found.raises is CheckFailure

@@ -4,14 +4,13 @@ import json
 
 import pytest
 
-from conformance.__main__ import expand
+from conformance.pytest_plugin.options import expand
 
 GOLDEN_TEST = """
 import json
 
 import pytest
 
-from conformance.__main__ import expand
 
 @pytest.mark.golden
 def test_shape(family, scan_layers, golden):
@@ -139,7 +138,6 @@ import json
 
 import pytest
 
-from conformance.__main__ import expand
 
 @pytest.mark.quant_method("awq")
 def test_awq(family, quant):
@@ -188,7 +186,6 @@ import json
 
 import pytest
 
-from conformance.__main__ import expand
 
 def pytest_addoption(parser):
     parser.addoption("--family", default="mine")

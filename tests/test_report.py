@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance.checks import CheckFailure
+from conformance.checks import registry
+from conformance.core.failure import CheckFailure
 from conformance.core.numerics import Mismatch, Tolerance
 from conformance.core.records import Measurement, collecting, emit, error_stats, failed, measure
 from conformance.core.scope import Scope
@@ -33,8 +34,8 @@ from conformance.report.model import (
     merge,
     write_part,
 )
-from conformance.train_checks import check_train_step
-from tests.faults.catalogue import RopeBase
+from conformance.runtime.case import Case
+from tests.faults.forward import RopeBase
 from tests.faults.installed import FAULTY, install_faulty_family
 
 REPO = Path(__file__).parents[1]
@@ -224,10 +225,9 @@ def test_a_corrupt_part_is_named(tmp_path):
 
 def test_a_failing_train_step_measures_every_step(primary_mesh):
     mesh, devices = primary_mesh
-    family = RopeBase()
-    config = family.config(family.device_size, scan_layers=False)
+    case = Case.of(RopeBase(), scan_layers=False, mesh=mesh, devices=devices)
     with Scope(), collecting() as found, pytest.raises(CheckFailure, match="step 1 of 3"):
-        check_train_step(family, config, mesh, devices)
+        registry.get("train_step")(case)
     steps = {m.series for m in found}
     assert steps == {"step 1", "step 2", "step 3"}, "later steps are measured too"
     failing = [m for m in found if not m.passed]

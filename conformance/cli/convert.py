@@ -1,6 +1,6 @@
 """Convert a checkpoint between the Linen and NNX layouts (and layer layouts).
 
-Usage: ``python -m conformance.cli.convert SRC DST [--to {auto,linen,nnx}] [--layout
+Usage: ``python -m conformance.convert SRC DST [--to {auto,linen,nnx}] [--layout
 {same,loop,scan}]``. SRC is a checkpoint directory written by
 :func:`conformance.runtime.checkpoints.save`; its ``conformance.json`` names the family, size,
 backend and layout. SRC is only read: DST must not exist, must not be inside SRC, and is
@@ -29,7 +29,7 @@ from conformance.runtime.checkpoints import (
 def parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     cli = argparse.ArgumentParser(
-        prog="python -m conformance.cli.convert",
+        prog="python -m conformance.convert",
         description="Convert a conformance train-state checkpoint between Linen and NNX.",
     )
     cli.add_argument("source", type=Path, help="checkpoint directory to read (never written)")
@@ -90,7 +90,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,16 @@
 Nothing here imports another harness module; everything else builds on it.
 """
 
+from conformance.contract.discovery import (
+    DISTRIBUTION,
+    ENTRY_POINT_GROUP,
+    builtin,
+    get,
+    registry,
+    select,
+)
 from conformance.contract.family import (
+    QUANTIZATION_MODES,
     Batch,
     Capabilities,
     Family,
@@ -11,14 +20,6 @@ from conformance.contract.family import (
     LogicalRules,
     PathRules,
     QuantScope,
-)
-from conformance.contract.registry import (
-    DISTRIBUTION,
-    ENTRY_POINT_GROUP,
-    builtin,
-    get,
-    registry,
-    select,
 )
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Family",
     "FamilyError",
     "LogicalRules",
+    "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",
     "builtin",

@@ -24,6 +24,10 @@ LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 PathRules = Sequence[tuple[str, str]]
 """Regex rewrites ``(pattern, replacement)`` taking a Linen parameter path to its NNX path."""
 
+QUANTIZATION_MODES = ("qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8")
+"""The Qwix modes a family may declare: QAT (fake-quantized forward over float
+parameters) or PTQ (``qvalue`` plus ``scale`` parameters), in int8 or fp8 (e4m3)."""
+
 
 class FamilyError(LookupError):
     """A family name or a family definition is not usable."""
@@ -77,9 +81,8 @@ class Capabilities:
     """:meth:`Family.variant` gives a config with dropout (``dropout``)."""
     decode: bool = False
     """Prefill and decode with a KV cache (the ``mode`` keyword; see :class:`Family`)."""
-    moe: bool = False
     quantization: frozenset[str] = frozenset()
-    """Qwix modes (names in :data:`conformance.runtime.quant.MODES`) the family supports."""
+    """Qwix modes (names in :data:`QUANTIZATION_MODES`) the family supports."""
     aqt: bool = False
     """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
     vocab_tiling: bool = False

@@ -1,14 +1,8 @@
-"""Reviewed golden files: layout, normalisation and the syrupy extension that stores them.
+"""Reviewed golden files: their format, normalisation, and reading one back.
 
-Goldens live at ``<root>/<family>/<check>/<case>.json``: the path is derived from what
-the golden depends on (family, check, mesh, layout), never from the test file's
-location, so a test can move without orphaning its goldens. Files are JSON with sorted
-keys and one leaf per line, so a review of a golden diff is a review of the change.
-
-syrupy never sees a golden it was not asked for (the extension discovers nothing), so
-regenerating a subset (``--snapshot-update`` with ``-k`` or a node id) writes what it ran
-and deletes nothing. Unused goldens are reported by the plugin instead, and only a
-person deletes them.
+Goldens are JSON with sorted keys and one leaf per line, so a review of a golden diff is
+a review of the change. Where they live and how they are written is the pytest plugin's
+business (:mod:`conformance.pytest_plugin.goldens`).
 """
 
 from __future__ import annotations
@@ -16,14 +10,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 from jax.sharding import PartitionSpec
-from syrupy.data import SnapshotCollections
-from syrupy.extensions.single_file import SingleFileSnapshotExtension, WriteMode
-from syrupy.location import PyTestLocation
-from syrupy.types import SerializableData, SnapshotIndex
 
 SUFFIX = ".json"
 
@@ -76,11 +66,6 @@ def dumps(value: Any, indent: int = 0) -> str:
     return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
 
 
-def golden_path(root: Path, family: str, check: str, case: str) -> Path:
-    """Where the golden of ``check`` for ``family`` and ``case`` lives under ``root``."""
-    return root / family / check / f"{case}{SUFFIX}"
-
-
 def load(path: Path) -> Any:
     """Read a golden file; a :class:`GoldenError` names the file if it is missing or corrupt."""
     try:
@@ -91,42 +76,3 @@ def load(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise GoldenError(f"corrupted golden {path}: {err}") from None
-
-
-class GoldenExtension(SingleFileSnapshotExtension):
-    """syrupy extension writing one golden JSON file per ``(family, check, case)``.
-
-    The snapshot index passed by :class:`conformance.plugin.Golden` is the file path
-    relative to :attr:`root`; syrupy matches the serialised text exactly.
-    """
-
-    file_extension = SUFFIX[1:]
-    _write_mode = WriteMode.TEXT
-    root: ClassVar[Path] = Path("goldens")
-
-    @classmethod
-    def for_root(cls, root: Path) -> type[GoldenExtension]:
-        """The extension bound to the goldens directory ``root``."""
-        return type(cls.__name__, (cls,), {"root": root})
-
-    @classmethod
-    def get_location(cls, *, test_location: PyTestLocation, index: SnapshotIndex) -> str:
-        """The golden's file: ``index`` is its path relative to :attr:`root`."""
-        return str(cls.root / f"{index}{SUFFIX}")
-
-    @classmethod
-    def matches_test_location(
-        cls, *, test_location: PyTestLocation, snapshot_location: str
-    ) -> bool:
-        """Goldens are keyed by content, not by test file: any file under the root."""
-        return Path(snapshot_location).is_relative_to(cls.root)
-
-    def discover_snapshots(
-        self, *, test_location: PyTestLocation, ignore_extensions: list[str] | None = None
-    ) -> SnapshotCollections:
-        """Nothing: unused goldens are judged by the plugin, so syrupy can never delete one."""
-        return SnapshotCollections()
-
-    def serialize(self, data: SerializableData, **kwargs: Any) -> str:
-        """Normalised golden JSON text."""
-        return dumps(normalise(data)) + "\n"

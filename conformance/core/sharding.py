@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from conformance.contract import LogicalRules
 from conformance.core.trees import flatten, flatten_state
@@ -112,6 +112,16 @@ class MeshSpec:
 
     def __str__(self) -> str:
         return self.id
+
+
+def one_device(mesh: MeshSpec) -> MeshSpec:
+    """The one-device counterpart of ``mesh``: its axes (and the default ones) at size 1.
+
+    Every logical rule still names an existing axis, and every default mesh shares one
+    counterpart, so a reference computed for one mesh serves the others.
+    """
+    names = dict.fromkeys((*MESH_AXES, *mesh.names))
+    return MeshSpec(tuple((name, 1) for name in names))
 
 
 class InsufficientDevices(RuntimeError):
@@ -214,8 +224,3 @@ def indivisible(
         if shape[dim] % shards:
             bad.append((dim, int(shape[dim]), shards))
     return bad
-
-
-def named_shardings(specs: Mapping[str, PartitionSpec], mesh: Mesh) -> dict[str, NamedSharding]:
-    """``{path: NamedSharding}`` on a device mesh."""
-    return {path: NamedSharding(mesh, spec) for path, spec in specs.items()}

@@ -25,16 +25,17 @@ from jax.sharding import Sharding
 from conformance.contract import Family
 from conformance.core import distributed
 from conformance.core.distributed import host_array
+from conformance.core.seams import seam
 from conformance.core.trees import (
     Flat,
     LeafSpec,
     flatten,
     layer_table,
     map_state_paths,
-    restack,
     specs,
     unflatten,
 )
+from conformance.core.trees import restack as trees_restack
 from conformance.runtime.backends import linen_runner, path_map
 from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer
 
@@ -188,7 +189,7 @@ def restore(
         raise CheckpointError(
             f"checkpoint {directory} restored with other types\n  " + "\n  ".join(retyped)
         )
-    return restored
+    return seam("checkpoint_restored", lambda tree: tree)(restored)
 
 
 def _rename(state: Flat, mapping: Mapping[str, str]) -> Flat:
@@ -204,11 +205,13 @@ def convert(
     changes, and then goes to the target backend's paths; optimizer moments follow
     their parameters and counters pass through unchanged.
     """
+    rename = seam("convert_rename", _rename)
+    restack = seam("convert_restack", trees_restack)
     src_config = family.config(source.size, scan_layers=source.scan_layers)
     dst_config = family.config(source.size, scan_layers=scan_layers)
     if source.backend == "nnx":
         to_linen = {v: k for k, v in path_map(family, src_config).items()}
-        state = _rename(state, map_state_paths(to_linen, state))
+        state = rename(state, map_state_paths(to_linen, state))
     if source.scan_layers != scan_layers:
         loop_config = family.config(source.size, scan_layers=False)
         table = layer_table(
@@ -216,8 +219,10 @@ def convert(
         )
         state = restack(state, table, scan_layers, family.layer_stack_axis)
     if backend == "nnx":
-        state = _rename(state, map_state_paths(path_map(family, dst_config), state))
-    state = cast_counters(state, expected_layout(family, dst_config, backend))
+        state = rename(state, map_state_paths(path_map(family, dst_config), state))
+    state = seam("convert_cast_counters", cast_counters)(
+        state, expected_layout(family, dst_config, backend)
+    )
     return state, dataclasses.replace(source, backend=backend, scan_layers=scan_layers)
 
 

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from conformance.contract import Batch, Family
 from conformance.core.distributed import host_array
 from conformance.core.scope import scoped
+from conformance.core.seams import seam
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
     Flat,
@@ -270,6 +271,7 @@ def generate(
     :func:`decode_positions`.
     """
     rows = len(lengths)
+    positions = seam("decode_positions", decode_positions)
     cache = decoder.init_cache(shardings)
     logits, cache = decoder.run("prefill", params, cache, place(prompt), shardings)
     caches = [_on_host(cache)]
@@ -280,7 +282,7 @@ def generate(
     for step in range(steps):
         batch = Batch(
             tokens=jnp.asarray(token[:, None]),
-            positions=jnp.asarray(decode_positions(lengths, step)),
+            positions=jnp.asarray(positions(lengths, step)),
             segment_ids=jnp.asarray(ones),
             targets=jnp.zeros((rows, 1), jnp.int32),
         )

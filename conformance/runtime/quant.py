@@ -18,6 +18,7 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.contract import QuantScope
+from conformance.core.seams import seam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def quantize_nnx(
     model holds the same kinds of state as the float one.
     """
     quantized = qwix.quantize_model(model, provider, *inputs)
-    strip_transients(quantized)
+    seam("qwix_strip_transients", strip_transients)(quantized)
     return quantized
 
 

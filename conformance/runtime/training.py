@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance.contract import Batch, Family
 from conformance.core.scope import scoped
+from conformance.core.seams import seam
 from conformance.core.sharding import Logical, nnx_logical
 from conformance.core.trees import (
     Flat,
@@ -168,9 +169,6 @@ def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any) -
 class LinenTrainer:
     """Linen train state (a nested dict) and its step, for one family config."""
 
-    loss: LossFn = staticmethod(masked_token_loss)
-    accumulate = staticmethod(accumulate)
-
     def __init__(
         self,
         family: Family,
@@ -220,14 +218,15 @@ class LinenTrainer:
             lambda keys, _: by_path[join_path(keys)], self.abstract_state
         )
 
-    def _step(
+    def step(
         self, state: dict[str, Any], batch: Batch, micro_sharding: NamedSharding | None = None
     ) -> Any:
+        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
         module, opt = self.runner.module, state["optimizer"]
         base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
         rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
-        objective = _objective(self.loss, self.tiled, bool(self.overwrite))
+        objective = _objective(masked_token_loss, self.tiled, bool(self.overwrite))
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
             logits = module.apply(
@@ -249,7 +248,7 @@ class LinenTrainer:
         grad_fn = functools.partial(
             jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
         )
-        (loss_sum, count), (grads, overwritten) = self.accumulate(
+        (loss_sum, count), (grads, overwritten) = accumulate(
             grad_fn, batch, self.micro_batches, micro_sharding
         )
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -265,7 +264,7 @@ class LinenTrainer:
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
-        return _step_fns(self._steps, self._step, shardings)
+        return _step_fns(self._steps, self.step, shardings)
 
 
 def step_streams(abstract: nnx.State, step: jax.Array) -> nnx.State:
@@ -305,11 +304,12 @@ def nnx_training_forward(
 
 
 class NnxTrainer:
-    """NNX train state (model + optimizer) and its step, for one family config."""
+    """NNX train state (model + optimizer) and its step, for one family config.
 
-    loss: LossFn = staticmethod(masked_token_loss)
-    accumulate = staticmethod(accumulate)
-    forward = staticmethod(nnx_training_forward)
+    Its forward, loss, accumulation and train-state class are the seams
+    ``nnx_training_forward``, ``nnx_loss``, ``nnx_accumulate`` and ``nnx_train_state``
+    (:mod:`conformance.core.seams`), read when the trainer is built.
+    """
 
     def __init__(
         self,
@@ -325,7 +325,11 @@ class NnxTrainer:
         self.tiled = vocab_tiles > 1
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
-        abstract = nnx.eval_shape(lambda: NnxTrainState(self.runner.build(0), self.tx))
+        self.forward = seam("nnx_training_forward", nnx_training_forward)
+        self.loss = seam("nnx_loss", masked_token_loss)
+        self.accumulate = seam("nnx_accumulate", accumulate)
+        self.train_state = seam("nnx_train_state", NnxTrainState)
+        abstract = nnx.eval_shape(lambda: self.train_state(self.runner.build(0), self.tx))
         self.graphdef, self.abstract_streams, self.abstract_state = nnx.split(
             abstract, nnx.RngState, ...
         )
@@ -345,7 +349,7 @@ class NnxTrainer:
 
     def _create_impl(self, params: nnx.State, rest: nnx.State) -> nnx.State:
         model = nnx.merge(self.runner.graphdef, params, rest)
-        return nnx.state(NnxTrainState(model, self.tx), nnx.Not(nnx.RngState))
+        return nnx.state(self.train_state(model, self.tx), nnx.Not(nnx.RngState))
 
     def tree(self, by_path: Mapping[str, Any]) -> nnx.State:
         """The train state's ``nnx.State`` holding ``by_path``'s arrays or shardings."""
@@ -353,9 +357,10 @@ class NnxTrainer:
             [(self._keys[p], var.replace(by_path[p])) for p, var in self._vars.items()]
         )
 
-    def _step(
+    def step(
         self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None
     ) -> Any:
+        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
         streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
         train = nnx.merge(self.graphdef, streams, state)
 
@@ -379,7 +384,7 @@ class NnxTrainer:
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
-        return _step_fns(self._steps, self._step, shardings)
+        return _step_fns(self._steps, self.step, shardings)
 
 
 def _check_overwrite(overwrite: bool, micro_batches: int) -> None:

@@ -22,6 +22,7 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.families import (
+    QUANTIZATION_MODES,
     Batch,
     Capabilities,
     Family,
@@ -30,7 +31,6 @@ from conformance.families import (
     PathRules,
     QuantScope,
 )
-from conformance.runtime.quant import MODES
 from conformance_models.data import make_batch
 from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
 
@@ -61,7 +61,7 @@ class MaxTextFamily(Family):
         dropout=True,
         decode=True,
         aqt=True,
-        quantization=frozenset(MODES),
+        quantization=frozenset(QUANTIZATION_MODES),
         vocab_tiling=True,
         fp8=True,
     )
@@ -339,7 +339,6 @@ class MaxTextDeepseek3(MaxTextFamily):
             "sparse_matmul": False,
         }
     )
-    capabilities = dataclasses.replace(MaxTextFamily.capabilities, moe=True)
     known_divergences = MappingProxyType(
         {
             **_VOCAB_TILING,

@@ -13,7 +13,7 @@ FAULTY = "llama-rope-base"
 """The installed family: llama whose NNX side builds its rotary embedding with another base."""
 
 FAMILY_MODULE = f'''
-from tests.faults.catalogue import RopeBase
+from tests.faults.forward import RopeBase
 
 
 class LlamaRopeBase(RopeBase):

@@ -16,21 +16,11 @@ import numpy as np
 
 from conformance.core.distributed import host_array
 from conformance.core.numerics import Mismatch, compare_trees, tolerance_for
-from conformance.core.sharding import MESH_AXES, MeshSpec
+from conformance.core.sharding import MeshSpec
 from conformance.core.trees import Flat
 
 Pair = tuple[Flat, Flat]
 """Two sides' results, each ``{path: array}`` with the same paths."""
-
-
-def one_device(mesh: MeshSpec) -> MeshSpec:
-    """The one-device counterpart of ``mesh``: its axes (and the default ones) at size 1.
-
-    Every logical rule still names an existing axis, and every default mesh shares one
-    counterpart, so a reference computed for one mesh serves the others.
-    """
-    names = dict.fromkeys((*MESH_AXES, *mesh.names))
-    return MeshSpec(tuple((name, 1) for name in names))
 
 
 def on_host(flat: Mapping[str, Any]) -> Flat:

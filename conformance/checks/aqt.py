@@ -15,29 +15,24 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
-from conformance.checks import (
-    BATCH_SIZE,
+from conformance.checks.kernel import (
     agreed_specs,
-    fail,
-    fail_if_any,
+    error_bound,
     forward_attribution,
     leaf_table,
     param_map,
-    place_batch,
-    shardings_for,
+    shared_params,
+    train_step_parity,
 )
-from conformance.contract import Family
+from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
 from conformance.core.records import emit_verdict, failed
-from conformance.core.sharding import MeshSpec
 from conformance.core.trees import PathMapError, map_paths, structure_diff
-from conformance.quant_checks import check_error_bound, float_params
 from conformance.runtime import checkpoints
-from conformance.runtime.aqt import COLLECTION, AqtError, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
-from conformance.runtime.backends import linen_runner, nnx_runner
-from conformance.train_checks import check_train_step
+from conformance.runtime.aqt import COLLECTION, AqtError
+from conformance.runtime.case import Case
+from conformance.runtime.sides import Aqt, live_pair
 
 AQT_MAX_ERROR = 0.06
 """Bound on the relative L2 error of AQT int8 logits against float logits."""
@@ -47,50 +42,50 @@ _FROZEN = re.compile(r"^(?P<owner>.*)/[^/]+/qrhs/frozen/")
 the family names it) of the layer that owns the float kernel."""
 
 
-def aqt_sides(family: Family, check: str, config: Any) -> tuple[LinenAqt, NnxAqt, dict[str, str]]:
+def _train(case: Case) -> Case:
+    """``case`` with the family's AQT TRAIN-mode config (fake-quantized float kernels)."""
+    return case.with_config(case.family.aqt_config(case.config, "train"))
+
+
+def aqt_pair(case: Case) -> tuple[Aqt, Aqt, dict[str, str]]:
     """Both sides in AQT convert/serve modes, and ``{Linen path: NNX path}`` of frozen leaves."""
+    linen, nnx_ = live_pair(case)
     try:
-        linen, nnx_ = linen_aqt(family, config), nnx_aqt(family, config)
-        mapping = map_paths(family.path_rules(config), linen.specs)
+        a, b = linen.aqt(), nnx_.aqt()
+        mapping = map_paths(case.family.path_rules(case.bound), a.specs)
     except (AqtError, PathMapError) as err:
-        fail(family, check, str(err))
-    return linen, nnx_, mapping
+        fail(str(err))
+    return a, b, mapping
 
 
-def check_aqt_forward(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_aqt_forward(case: Case) -> None:
     """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float."""
-    config = family.with_mesh(config, devices)
-    check = "aqt_forward"
-    train = family.aqt_config(config, "train")
-    linen_params, nnx_params = float_params(family, check, config, mesh, devices)
-    linen, nnx_ = linen_runner(family, train), nnx_runner(family, train)
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    reference = linen_runner(family, config).forward(linen_params, batch)[0]
+    linen_params, nnx_params = shared_params(*live_pair(case))
+    linen, nnx_ = live_pair(_train(case))
+    batch = case.batch()
+    reference = linen.on(case).forward(linen_params, batch)[0]
     linen_logits = linen.forward(linen_params, batch)[0]
     nnx_logits = nnx_.forward(nnx_params, batch)[0]
     found = compare_arrays("logits", linen_logits, nnx_logits)
-    title = f"AQT int8 TRAIN forward on mesh {mesh.id} (index: batch, position, vocab)"
+    title = f"AQT int8 TRAIN forward on mesh {case.mesh.id} (index: batch, position, vocab)"
     emit_verdict(title, "logits", linen_logits, nnx_logits, found)
     if found is not None:
         moved = forward_attribution(
-            family,
-            train,
-            mesh,
+            linen,
+            nnx_,
             (linen_logits, nnx_logits),
             (linen_params, nnx_params),
             quantized=True,
         )
-        fail(family, check, report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
-    for side, logits in (("Linen", linen_logits), ("NNX", nnx_logits)):
-        where = f"{side} AQT int8 TRAIN on mesh {mesh.id}"
-        check_error_bound(family, check, where, logits, reference, AQT_MAX_ERROR)
+        fail(report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+    for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
+        where = f"{side.name} AQT int8 TRAIN on mesh {case.mesh.id}"
+        error_bound(where, logits, reference, AQT_MAX_ERROR)
 
 
-def check_aqt_train_step(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_aqt_train_step(case: Case) -> None:
     """TRAIN-mode train steps agree across backends (loss, gradients, whole state)."""
-    config = family.with_mesh(config, devices)
-    train = family.aqt_config(config, "train")
-    check_train_step(family, train, mesh, devices, check="aqt_train_step")
+    train_step_parity(_train(case), "aqt_train_step")
 
 
 def _kernel_less(
@@ -116,127 +111,113 @@ def _kernel_less(
     return problems
 
 
-def check_aqt_layout(family: Family, config: Any, mesh: MeshSpec) -> dict[str, Any]:
+def check_aqt_layout(case: Case) -> dict[str, Any]:
     """The frozen kernels and serve parameters have one layout across backends.
 
     Frozen leaves (``qvalue`` int8, ``scale``) agree in paths, shapes, dtypes and specs,
     each carries a logical name per dimension, and the serve parameters are the float
     ones less exactly the frozen kernels. Returns the golden payload.
     """
-    check = "aqt_layout"
-    linen, nnx_, mapping = aqt_sides(family, check, config)
+    linen, nnx_, mapping = aqt_pair(case)
     problems = structure_diff(linen.specs, nnx_.specs, mapping)
     counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
-    fail_if_any(
-        family, check, f"frozen kernels: {len(problems)} difference(s) ({counts})", problems
-    )
+    fail_if_any(f"frozen kernels: {len(problems)} difference(s) ({counts})", problems)
     qvalues = {p: s for p, s in nnx_.specs.items() if p.endswith("/qvalue")}
     if not qvalues:
-        fail(family, check, "no frozen qvalue leaf: AQT quantized nothing")
+        fail("no frozen qvalue leaf: AQT quantized nothing")
     wrong = [f"{p}: {s.dtype}" for p, s in sorted(qvalues.items()) if s.dtype != "int8"]
-    fail_if_any(family, check, "frozen qvalue leaves not int8", wrong)
+    fail_if_any("frozen qvalue leaves not int8", wrong)
     unnamed = [
         f"{side} {path}: logical names {names} for a {len(spec.shape)}-dim leaf {spec}"
         for side, aqt in (("Linen", linen), ("NNX", nnx_))
         for path, spec in sorted(aqt.specs.items())
         if (names := aqt.logical[path]) is None or len(names) != len(spec.shape)
     ]
-    fail_if_any(family, check, "frozen leaves whose sharding cannot be resolved", unnamed)
+    fail_if_any("frozen leaves whose sharding cannot be resolved", unnamed)
     problems = []
-    for side, aqt, float_runner in (
-        ("Linen", linen, linen_runner(family, config)),
-        ("NNX", nnx_, nnx_runner(family, config)),
-    ):
+    for side, aqt in zip(live_pair(case), (linen, nnx_), strict=True):
         serve_paths = set(aqt.serve_runner.specs)
-        problems += _kernel_less(side, set(float_runner.specs), serve_paths, set(aqt.specs))
-    fail_if_any(
-        family, check, "serve parameters are not the float ones less the frozen kernels", problems
+        problems += _kernel_less(side.name, set(side.runner.specs), serve_paths, set(aqt.specs))
+    fail_if_any("serve parameters are not the float ones less the frozen kernels", problems)
+    linen_side, nnx_side = live_pair(case)
+    _, nnx_specs = agreed_specs(
+        (linen_side, linen.logical, linen.specs), (nnx_side, nnx_.logical, nnx_.specs), mapping
     )
-    rules = family.axis_rules(config)
-    _, nnx_specs = agreed_specs(family, check, linen, nnx_, mapping, mesh, rules)
+    serving = live_pair(case.with_config(case.family.aqt_config(case.config, "serve")))
     serve = nnx_.serve_runner
-    serve_map = param_map(family, check, family.aqt_config(config, "serve"))
-    _, serve_specs = agreed_specs(family, check, linen.serve_runner, serve, serve_map, mesh, rules)
-
+    _, serve_specs = agreed_specs(
+        (serving[0], linen.serve_runner.logical, linen.serve_runner.specs),
+        (serving[1], serve.logical, serve.specs),
+        param_map(*serving),
+    )
     return {
-        "mesh": dict(mesh.axes),
+        "mesh": dict(case.mesh.axes),
         COLLECTION: leaf_table(nnx_.specs, nnx_specs),
         "serve_params": leaf_table(serve.specs, serve_specs),
     }
 
 
-def check_aqt_convert(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_aqt_convert(case: Case) -> None:
     """CONVERT freezes the same kernels on both backends and leaves each forward unchanged.
 
     From the same float parameters: every ``qvalue`` equal and every ``scale`` within the
     float policy across backends, and on each side the convert-mode logits equal the
     TRAIN-mode logits exactly (converting must not change what the model computes).
     """
-    config = family.with_mesh(config, devices)
-    check = "aqt_convert"
-    linen, nnx_, mapping = aqt_sides(family, check, config)
-    train = family.aqt_config(config, "train")
-    linen_params, nnx_params = float_params(family, check, config, mesh, devices)
-    nnx_train = nnx_runner(family, train)
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    linen_logits, linen_frozen = linen.convert(linen_params, batch)
-    nnx_logits, nnx_frozen = nnx_.convert(nnx_params, batch)
+    linen, nnx_, mapping = aqt_pair(case)
+    params = shared_params(*live_pair(case))
+    batch = case.batch()
+    linen_logits, linen_frozen = linen.convert(params[0], batch)
+    nnx_logits, nnx_frozen = nnx_.convert(params[1], batch)
     moved = {mapping[p]: v for p, v in linen_frozen.items()}
     mismatches = compare_trees(moved, nnx_frozen)
     if mismatches:
-        title = f"frozen kernels (qvalue, scale) after CONVERT on mesh {mesh.id}"
-        fail(family, check, failed(title, mismatches, ("Linen", "NNX")))
-    for side, logits, trained in (
-        ("Linen", linen_logits, linen_runner(family, train).forward(linen_params, batch)[0]),
-        ("NNX", nnx_logits, nnx_train.forward(nnx_params, batch)[0]),
+        title = f"frozen kernels (qvalue, scale) after CONVERT on mesh {case.mesh.id}"
+        fail(failed(title, mismatches, ("Linen", "NNX")))
+    for side, logits, side_params in zip(
+        live_pair(_train(case)), (linen_logits, nnx_logits), params, strict=True
     ):
-        found = compare_arrays("logits", trained, logits, EXACT)
+        found = compare_arrays("logits", side.forward(side_params, batch)[0], logits, EXACT)
         if found is not None:
-            title = f"{side} CONVERT forward vs TRAIN forward on mesh {mesh.id}"
-            fail(family, check, failed(title, [found], ("TRAIN", "CONVERT")))
+            title = f"{side.name} CONVERT forward vs TRAIN forward on mesh {case.mesh.id}"
+            fail(failed(title, [found], ("TRAIN", "CONVERT")))
 
 
-def check_aqt_serve(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, workdir: Path, *, scan_layers: bool
-) -> None:
+def check_aqt_serve(case: Case, workdir: Path) -> None:
     """A converted serve tree survives orbax, and SERVE from it equals CONVERT, per backend.
-
-    ``config``'s layer layout is ``scan_layers`` (recorded with the checkpoint).
 
     Each side converts its own sharded float init, saves the serve tree (kernel-less
     parameters and frozen kernels, the latter placed as CONVERT made them), restores it
     strictly into the serve-mode model's layout: every leaf (each ``qvalue`` byte) must
     come back exact, and the SERVE logits from the restored tree must equal the CONVERT
-    logits exactly.
+    logits exactly. The checkpoint records the case's layer layout.
     """
-    config = family.with_mesh(config, devices)
-    check = "aqt_serve"
-    linen, nnx_, _ = aqt_sides(family, check, config)
-    batch = place_batch(family, family.batch(config, BATCH_SIZE), mesh, devices)
-    for side, aqt in (("Linen", linen), ("NNX", nnx_)):
+    linen, nnx_, _ = aqt_pair(case)
+    batch = case.batch()
+    for side, aqt in zip(live_pair(case), (linen, nnx_), strict=True):
         convert, serve = aqt.convert_runner, aqt.serve_runner
-        params = convert.init(0, shardings_for(family, check, convert.logical, mesh, devices))
-        serve_shardings = shardings_for(family, check, serve.logical, mesh, devices)
+        params = convert.init(0, case.shardings(convert.logical))
+        serve_shardings = case.shardings(serve.logical)
         logits, frozen = aqt.convert(params, batch)
         tree = {f"params/{p}": jax.device_put(params[p], s) for p, s in serve_shardings.items()}
         tree |= {f"{COLLECTION}/{p}": v for p, v in frozen.items()}
         layout = {f"params/{p}": s for p, s in serve.specs.items()}
         layout |= {f"{COLLECTION}/{p}": s for p, s in aqt.specs.items()}
         info = checkpoints.CheckpointInfo(
-            family.name, family.device_size, side.lower(), scan_layers
+            case.family.name, case.family.device_size, side.backend, case.scan_layers
         )
-        directory = workdir / f"{side.lower()}-aqt-serve"
+        directory = workdir / f"{side.backend}-aqt-serve"
         checkpoints.save(directory, tree, info)
         try:
             restored = checkpoints.restore(
                 directory, layout, {p: v.sharding for p, v in tree.items()}
             )
         except checkpoints.CheckpointError as err:
-            fail(family, check, f"{side}: {err}")
+            fail(f"{side.name}: {err}")
         mismatches = compare_trees(tree, restored, EXACT)
         if mismatches:
-            title = f"{side} AQT serve tree after an orbax round trip"
-            fail(family, check, failed(title, mismatches, ("saved", "restored")))
+            title = f"{side.name} AQT serve tree after an orbax round trip"
+            fail(failed(title, mismatches, ("saved", "restored")))
         prefix = f"{COLLECTION}/"
         served = aqt.serve(
             {p.removeprefix("params/"): v for p, v in restored.items() if p.startswith("params/")},
@@ -246,6 +227,7 @@ def check_aqt_serve(
         found = compare_arrays("logits", logits, served, EXACT)
         if found is not None:
             title = (
-                f"{side} SERVE forward from the restored tree vs CONVERT forward on mesh {mesh.id}"
+                f"{side.name} SERVE forward from the restored tree vs CONVERT forward on mesh "
+                f"{case.mesh.id}"
             )
-            fail(family, check, failed(title, [found], ("CONVERT", "SERVE")))
+            fail(failed(title, [found], ("CONVERT", "SERVE")))

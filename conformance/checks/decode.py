@@ -14,86 +14,60 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
-from conformance.checks import (
-    BATCH_SIZE,
-    agreed_specs,
-    fail,
-    fail_if_any,
-    misplaced,
-    param_map,
-    place_batch,
-    shardings_for,
-)
-from conformance.contract import Family
+from conformance.checks.kernel import agreed_specs, attributed, misplaced, shared_params
 from conformance.core.distributed import host_array
-from conformance.core.numerics import (
-    Mismatch,
-    compare_arrays,
-    compare_trees,
-    report,
-    tolerance_for,
-)
+from conformance.core.failure import fail, fail_if_any
+from conformance.core.numerics import Mismatch, compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
 from conformance.core.scope import scoped
-from conformance.core.sharding import MeshSpec, spec_to_json
+from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
-from conformance.runtime.backends import linen_runner, nnx_runner, transplant
-from conformance.runtime.decoding import (
-    DecodeError,
-    Generation,
-    LinenDecoder,
-    NnxDecoder,
-    generate,
-    linen_decoder,
-    nnx_decoder,
-    prompt_batch,
-)
-from conformance.runtime.diagnose.attribution import attribution_text, one_device
+from conformance.runtime.case import BATCH_SIZE, Case
+from conformance.runtime.decoding import DecodeError, Generation, generate, prompt_batch
+from conformance.runtime.sides import Decoder, Side, live_pair
 
 DECODE_STEPS = 8
 """Greedy decode steps after prefill; with the prefill's token, 9 generated tokens."""
 
 
-def decoders(family: Family, check: str, config: Any) -> tuple[LinenDecoder, NnxDecoder]:
+def decoders(case: Case) -> tuple[Decoder, Decoder]:
     """Both sides' decoders for :data:`BATCH_SIZE` prompts; a family that cannot serve fails."""
     try:
-        return linen_decoder(family, config, BATCH_SIZE), nnx_decoder(family, config, BATCH_SIZE)
+        return tuple(side.decoder(BATCH_SIZE) for side in live_pair(case))
     except DecodeError as err:
-        fail(family, check, str(err))
+        fail(str(err))
 
 
-def check_decode_cache(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh | None = None
-) -> dict[str, Any]:
+def check_decode_cache(case: Case) -> dict[str, Any]:
     """Both sides' caches have the same leaves, shapes, dtypes and PartitionSpecs.
 
-    The cache's paths map like parameter paths (the family's ``path_rules``). With
-    ``devices``, both empty caches are created on the mesh and checked to be placed
-    with their specs. Returns the golden payload.
+    The cache's paths map like parameter paths (the family's ``path_rules``). On a
+    device mesh, both empty caches are created there and checked to be placed with
+    their specs. Returns the golden payload.
     """
-    if devices is not None:
-        config = family.with_mesh(config, devices)
-    check = "decode_cache"
-    linen, nnx_ = decoders(family, check, config)
+    linen, nnx_ = decoders(case)
     try:
-        mapping = map_paths(family.path_rules(config), linen.specs)
+        mapping = map_paths(case.family.path_rules(case.bound), linen.specs)
     except PathMapError as err:
-        fail(family, check, str(err))
+        fail(str(err))
     problems = structure_diff(linen.specs, nnx_.specs, mapping)
     counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
-    fail_if_any(family, check, f"{len(problems)} cache difference(s) ({counts})", problems)
+    fail_if_any(f"{len(problems)} cache difference(s) ({counts})", problems)
+    sides = live_pair(case)
     linen_specs, nnx_specs = agreed_specs(
-        family, check, linen, nnx_, mapping, mesh, family.axis_rules(config)
+        (sides[0], linen.logical, linen.specs), (sides[1], nnx_.logical, nnx_.specs), mapping
     )
-    if devices is not None:
-        for side, decoder, resolved in (("Linen", linen, linen_specs), ("NNX", nnx_, nnx_specs)):
-            shardings = {p: NamedSharding(devices, s) for p, s in resolved.items()}
+    if case.devices is not None:
+        for side, decoder, resolved in zip(
+            sides, (linen, nnx_), (linen_specs, nnx_specs), strict=True
+        ):
+            shardings = {p: NamedSharding(case.devices, s) for p, s in resolved.items()}
             placed = misplaced(decoder.init_cache(shardings), shardings)
-            fail_if_any(family, check, f"{side} cache arrays placed off their specs", placed)
+            fail_if_any(f"{side.name} cache arrays placed off their specs", placed)
     return {
-        "mesh": dict(mesh.axes),
+        "mesh": dict(case.mesh.axes),
         "rows": BATCH_SIZE,
         "leaf_count": len(nnx_.specs),
         "leaves": {
@@ -121,45 +95,27 @@ class Served:
 
 
 @scoped
-def serve_both(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> tuple[Served, ...]:
-    """Serve Linen's parameters on both backends; computed once per family, config and mesh."""
-    return _serve(family, config, mesh, devices, None)
+def serve_both(case: Case) -> tuple[Served, ...]:
+    """Serve Linen's parameters on both backends; computed once per case."""
+    return _serve(live_pair(case), None)
 
 
-def _serve(
-    family: Family, config: Any, mesh: MeshSpec, devices: Mesh, start: Flat | None
-) -> tuple[Served, ...]:
+def _serve(sides: tuple[Side, Side], start: Flat | None) -> tuple[Served, ...]:
     """Both sides served from Linen's init, or from Linen parameters ``start`` when given."""
-    config = family.with_mesh(config, devices)
-    check = "decode"
-    linen_dec, nnx_dec = decoders(family, check, config)
-    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = param_map(family, check, config)
-    linen_shardings = shardings_for(family, check, linen.logical, mesh, devices)
-    linen_params = (
-        linen.init(0, linen_shardings)
-        if start is None
-        else transplant(start, {}, linen.specs, linen_shardings)
-    )
-    nnx_shardings = shardings_for(family, check, nnx_.logical, mesh, devices)
-    nnx_params = transplant(linen_params, mapping, nnx_.specs, nnx_shardings)
-    prompt, lengths = prompt_batch(family, config, BATCH_SIZE, DECODE_STEPS)
-
-    def place(batch: Any) -> Any:
-        return place_batch(family, batch, mesh, devices)
-
+    case = sides[0].case
+    decoders(case)
+    params = shared_params(*sides, start)
+    prompt, lengths = prompt_batch(case.family, case.bound, BATCH_SIZE, DECODE_STEPS)
     served = []
-    for side, decoder, runner, params in (
-        ("Linen", linen_dec, linen, linen_params),
-        ("NNX", nnx_dec, nnx_, nnx_params),
-    ):
-        cache_shardings = shardings_for(family, check, decoder.logical, mesh, devices)
+    for side, side_params in zip(sides, params, strict=True):
+        decoder = side.decoder(BATCH_SIZE)
+        cache_shardings = case.shardings(decoder.logical)
         generation = generate(
-            decoder, params, prompt, lengths, DECODE_STEPS, place, cache_shardings
+            decoder, side_params, prompt, lengths, DECODE_STEPS, case.place, cache_shardings
         )
-        sequence = place(generation.sequence(family.sequence_length(config)))
-        forward_logits = host_array(runner.forward(params, sequence)[0])
-        served.append(Served(side, params, generation, forward_logits))
+        sequence = case.place(generation.sequence(case.family.sequence_length(case.bound)))
+        forward_logits = host_array(side.forward(side_params, sequence)[0])
+        served.append(Served(side.name, side_params, generation, forward_logits))
     return tuple(served)
 
 
@@ -170,18 +126,15 @@ def _stages(generation: Generation, upto: int) -> Flat:
     return stages
 
 
-def _decode_attribution(
-    family: Family, config: Any, mesh: MeshSpec, served: tuple[Served, ...], upto: int
-) -> str:
+def _decode_attribution(case: Case, served: tuple[Served, ...], upto: int) -> str:
     """Which side's prefill and first ``upto`` decode steps move when served on one device."""
 
     def on_one_device() -> tuple[Flat, Flat]:
-        one = one_device(mesh)
-        again = _serve(family, config, one, one.devices(), served[0].params)
+        again = _serve(tuple(side.reference() for side in live_pair(case)), served[0].params)
         return _stages(again[0].generation, upto), _stages(again[1].generation, upto)
 
     on_mesh = (_stages(served[0].generation, upto), _stages(served[1].generation, upto))
-    return attribution_text(mesh, ("Linen", "NNX"), on_mesh, on_one_device)
+    return attributed(case, ("Linen", "NNX"), on_mesh, on_one_device)
 
 
 def _prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -209,14 +162,14 @@ def _chosen_from(generation: Generation, index: int, row: int) -> np.ndarray:
     return generation.step_logits[index - 1, row]
 
 
-def check_decode_consistency(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_decode_consistency(case: Case) -> None:
     """On each backend, prefill and every decode step reproduce the full forward's logits.
 
     Prefill is compared on real prompt tokens; decode step ``t`` of row ``r`` against
     the forward at position ``lengths[r] + t`` of the prompt followed by the fed tokens.
     """
-    check = "decode_consistency"
-    for served in serve_both(family, config, mesh, devices):
+    mesh = case.mesh
+    for served in serve_both(case):
         gen, side = served.generation, served.side
         tol = tolerance_for(gen.prefill_logits.dtype)
         names = ("forward", side)
@@ -225,14 +178,14 @@ def check_decode_consistency(family: Family, config: Any, mesh: MeshSpec, device
         prefill = _prompt_only(gen.prefill_logits, gen.lengths)
         found = compare_arrays("logits", expected, prefill, tol)
         plot = {"names": names, "tolerance": tol, "series": side}
-        plot["figure"] = f"{check}: error per stage against the forward, mesh {mesh.id}"
+        plot["figure"] = f"decode_consistency: error per stage against the forward, mesh {mesh.id}"
         emit_verdict(f"{side} prefill", "logits", expected, prefill, found, x="prefill", **plot)
         if found is not None:
             title = (
                 f"{side} prefill vs the full-sequence forward on mesh {mesh.id} "
                 "(index: row, position, vocab)"
             )
-            fail(family, check, report(title, [found], names))
+            fail(report(title, [found], names))
         for step in range(DECODE_STEPS):
             expected = _at_step(served.forward_logits, gen.lengths, step)
             found = compare_arrays("logits", expected, gen.step_logits[step], tol)
@@ -242,19 +195,19 @@ def check_decode_consistency(family: Family, config: Any, mesh: MeshSpec, device
             )
             if found is not None:
                 title = f"{side} {_step_title(found, gen.lengths, step)}"
-                fail(family, check, report(f"{title} vs the full forward", [found], names))
+                fail(report(f"{title} vs the full forward", [found], names))
 
 
-def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> None:
+def check_decode(case: Case) -> None:
     """Linen and NNX agree at prefill and at every decode step, and generate the same tokens.
 
     Stops at the first stage that differs: after a different token the two sides decode
     different sequences, so later stages are not comparable.
     """
-    check = "decode"
-    served = serve_both(family, config, mesh, devices)
+    mesh = case.mesh
+    served = serve_both(case)
     linen, nnx_ = (s.generation for s in served)
-    cache_map = map_paths(family.path_rules(config), linen.caches[0])
+    cache_map = map_paths(case.family.path_rules(case.bound), linen.caches[0])
     tol = tolerance_for(linen.prefill_logits.dtype)
     names = ("Linen", "NNX")
     prefills = (
@@ -263,14 +216,14 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
     )
     found = compare_arrays("logits", *prefills, tol)
     plot = {"names": names, "tolerance": tol, "series": "Linen vs NNX"}
-    plot["figure"] = f"{check}: error per stage, mesh {mesh.id}"
+    plot["figure"] = f"decode: error per stage, mesh {mesh.id}"
     emit_verdict("prefill", "logits", *prefills, found, x="prefill", **plot)
     if found is not None:
         title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
         where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol)
-        moved = _decode_attribution(family, config, mesh, served, 0)
-        fail(family, check, report(title, [found], names) + where + f"\n  {moved}")
-    _check_tokens(family, linen, nnx_, 0, "prefill")
+        moved = _decode_attribution(case, served, 0)
+        fail(report(title, [found], names) + where + f"\n  {moved}")
+    _check_tokens(linen, nnx_, 0, "prefill")
     for step in range(DECODE_STEPS):
         logits = linen.step_logits[step], nnx_.step_logits[step]
         found = compare_arrays("logits", *logits, tol)
@@ -279,9 +232,9 @@ def check_decode(family: Family, config: Any, mesh: MeshSpec, devices: Mesh) -> 
         if found is not None:
             title = f"{_step_title(found, linen.lengths, step)} on mesh {mesh.id}"
             where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol)
-            moved = _decode_attribution(family, config, mesh, served, step + 1)
-            fail(family, check, report(title, [found], names) + where + f"\n  {moved}")
-        _check_tokens(family, linen, nnx_, step + 1, f"decode step {step}")
+            moved = _decode_attribution(case, served, step + 1)
+            fail(report(title, [found], names) + where + f"\n  {moved}")
+        _check_tokens(linen, nnx_, step + 1, f"decode step {step}")
 
 
 def _first_cache_divergence(
@@ -297,9 +250,7 @@ def _first_cache_divergence(
     return "\n  the caches agree up to here: the divergence is outside the cache"
 
 
-def _check_tokens(
-    family: Family, linen: Generation, nnx_: Generation, index: int, stage: str
-) -> None:
+def _check_tokens(linen: Generation, nnx_: Generation, index: int, stage: str) -> None:
     """Fail if the greedy tokens chosen after ``stage`` differ in any row."""
     rows = np.flatnonzero(linen.tokens[:, index] != nnx_.tokens[:, index])
     if rows.size == 0:
@@ -313,8 +264,6 @@ def _check_tokens(
             f"NNX token {b} (logit {lb[b]!r}, Linen gives it {la[b]!r})"
         )
     fail_if_any(
-        family,
-        "decode",
         f"greedy token {index} (chosen after {stage}) differs in {rows.size} row(s); "
         "the logits agreed within tolerance, so this is a near tie",
         lines,

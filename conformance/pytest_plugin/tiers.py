@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from conformance.contract import Family
-from conformance.core.sharding import MeshSpec
-from conformance.runtime.quant import MODES
+if TYPE_CHECKING:
+    from conformance.contract import Family
+    from conformance.core.sharding import MeshSpec
 
 
 class TierError(ValueError):
@@ -46,7 +46,8 @@ class Tier:
     dtypes: tuple[str, ...] | None
     """Compute dtype ids kept (``f32``, ``bf16``)."""
     one_mode_per_method: bool
-    """Keep one quantization mode per method (the first of :data:`MODES` the family has)."""
+    """Keep one quantization mode per method (the first of
+    :data:`~conformance.runtime.quant.MODES` the family has)."""
     same_layout_conversions: bool
     """Keep only checkpoint conversions between equal layer layouts."""
     expected_failures: bool
@@ -59,25 +60,27 @@ class Tier:
         by_id = {m.id: m for m in configured}
         return [by_id[i] for i in self.meshes if i in by_id]
 
-    def leaves_out(self, family: Family, params: Mapping[str, Any], dtype_id: str = "") -> str:
-        """Why this tier leaves out the test of ``family`` with ``params``; ``""`` if kept.
+    def leaves_out(self, family: Family, facets: Mapping[str, Any]) -> str:
+        """Why this tier leaves out the test of ``family`` with ``facets``; ``""`` if kept.
 
-        ``params`` are a test's parameters by name (``mesh``, ``scan_layers``, ``quant``,
-        ``layouts``, ...); ``dtype_id`` is the id of its ``dtype`` parameter, if any.
+        ``facets`` describe a test by name: ``mesh`` (a device mesh), ``scan_layers``,
+        ``dtype`` (its id, ``f32`` or ``bf16``), ``quant`` and ``layouts`` (a checkpoint
+        conversion's ``source-target`` id); a test lacking one is not narrowed by it.
         """
-        mesh = params.get("mesh")
-        if isinstance(mesh, MeshSpec) and self.meshes is not None and mesh.id not in self.meshes:
+        mesh = facets.get("mesh")
+        if mesh is not None and self.meshes is not None and mesh.id not in self.meshes:
             return f"mesh {mesh.id}"
         preferred = family.capabilities.preferred_scan_layers
-        scan = params.get("scan_layers")
+        scan = facets.get("scan_layers")
         if self.one_layout and scan is not None and scan != preferred:
             return f"layout {'scan' if scan else 'loop'}"
-        if dtype_id and self.dtypes is not None and dtype_id not in self.dtypes:
-            return f"dtype {dtype_id}"
-        quant = params.get("quant")
+        dtype = facets.get("dtype")
+        if dtype and self.dtypes is not None and dtype not in self.dtypes:
+            return f"dtype {dtype}"
+        quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"
-        pair = params.get("layouts")
+        pair = facets.get("layouts")
         if self.same_layout_conversions and isinstance(pair, str):
             source, _, target = pair.partition("-")
             first = "scan" if preferred else "loop"
@@ -88,6 +91,8 @@ class Tier:
 
 def _first_mode(family: Family, quant: str) -> str:
     """The first mode of :data:`MODES` that ``family`` declares with ``quant``'s method."""
+    from conformance.runtime.quant import MODES
+
     method = MODES[quant].method
     declared = family.capabilities.quantization
     return next(m for m in MODES if m in declared and MODES[m].method == method)

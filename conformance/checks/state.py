@@ -19,13 +19,12 @@ from typing import Any
 import jax
 from flax import nnx
 
-from conformance.checks import BATCH_SIZE, fail, fail_if_any
-from conformance.contract import Batch, Family
+from conformance.contract import Batch
+from conformance.core.failure import fail, fail_if_any
 from conformance.core.trees import flatten_state, specs, variable_kind
-from conformance.runtime.backends import nnx_runner
+from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
-
-CHECK = "state_hygiene"
+from conformance.runtime.sides import NnxSide
 
 
 def _eager(model: nnx.Module, batch: Batch) -> Any:
@@ -70,18 +69,18 @@ def _persistent(model: nnx.Module) -> dict[str, Any]:
     return {path: var.get_value() for path, var in flatten_state(state).items()}
 
 
-def check_state_hygiene(family: Family, config: Any, workdir: Path, *, scan_layers: bool) -> None:
+def check_state_hygiene(case: Case, workdir: Path) -> None:
     """Running the NNX model outside training leaves its state as it was built.
 
-    The freshly built model (``config``, layout ``scan_layers``) holds no sown
+    The freshly built model (the case's config, on no mesh) holds no sown
     intermediate (a forward at set-up would leave one); after each of :data:`FORWARDS`
     (intermediates popped) its state holds exactly the fresh model's leaves, each of the
     same Variable type;
     and a checkpoint of its state saved after an eager forward restores strictly into
     the fresh model's layout.
     """
-    runner = nnx_runner(family, config)
-    batch = family.batch(config, BATCH_SIZE)
+    runner = NnxSide(case).runner
+    batch = case.family.batch(case.bound, BATCH_SIZE)
     built = runner.build(0)
     fresh = flatten_state(nnx.state(built))
     left = [
@@ -89,7 +88,7 @@ def check_state_hygiene(family: Family, config: Any, workdir: Path, *, scan_laye
         for path, var in fresh.items()
         if isinstance(var, nnx.Intermediate)
     ]
-    fail_if_any(family, CHECK, "the freshly built NNX model holds sown intermediates", left)
+    fail_if_any("the freshly built NNX model holds sown intermediates", left)
     for how, forward in FORWARDS.items():
         model = runner.build(0)
         jax.block_until_ready(forward(model, batch))
@@ -99,13 +98,13 @@ def check_state_hygiene(family: Family, config: Any, workdir: Path, *, scan_laye
             f"({len(fresh)} leaves built, {len(after)} after); it would reach shardings and "
             "checkpoints"
         )
-        fail_if_any(family, CHECK, title, state_drift(fresh, after))
+        fail_if_any(title, state_drift(fresh, after))
     model = runner.build(0)
     _eager(model, batch)
     directory = Path(workdir) / "after-forward"
-    info = CheckpointInfo(family.name, family.device_size, "nnx", scan_layers)
+    info = CheckpointInfo(case.family.name, case.size, "nnx", case.scan_layers)
     save(directory, _persistent(model), info)
     try:
         restore(directory, specs(_persistent(built)))
     except CheckpointError as err:
-        fail(family, CHECK, f"a checkpoint saved after an eager forward: {err}")
+        fail(f"a checkpoint saved after an eager forward: {err}")

@@ -1,0 +1,125 @@
+"""Forward parity: logits agree after transplanting parameters in both directions.
+
+On a failure the report names the first module, in call order, whose inputs agree and
+whose output diverges (:mod:`conformance.runtime.diagnose.localise`), and which side
+moves when the forward runs on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from conformance.checks.kernel import forward_attribution, param_map
+from conformance.core.failure import fail
+from conformance.core.numerics import (
+    Mismatch,
+    Tolerance,
+    compare_arrays,
+    compare_trees,
+    report,
+    tolerance_for,
+)
+from conformance.core.records import emit, emit_verdict, listening, measure
+from conformance.runtime.case import Case
+from conformance.runtime.diagnose.localise import Divergence, localise
+from conformance.runtime.sides import LinenSide, live_pair
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardResult:
+    """Logits and sown per-block hidden states of one side."""
+
+    logits: jax.Array
+    hidden: jax.Array | None
+
+
+_NOT_SOWN = "per-block hidden states are not sown on both sides (an optional shortcut)"
+
+
+def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any) -> str | None:
+    """Localisation from the sown ``hidden_states``, when both sides sow them."""
+    if first.hidden is None or second.hidden is None:
+        return None
+    for layer in range(first.hidden.shape[0]):
+        found = compare_arrays(
+            f"hidden_states[{layer}]", first.hidden[layer], second.hidden[layer], tol
+        )
+        if found is not None:
+            return f"first divergent block: {layer} (output of decoder block {layer})\n  " + (
+                found.describe()
+            )
+    return (
+        "every block's output agrees: the divergence is after the last block (final norm or head)"
+    )
+
+
+def _measure_forward(
+    title: str, a: ForwardResult, b: ForwardResult, tol: Tolerance, found: Mismatch | None
+) -> None:
+    """Emit each block's hidden-state error (when both sides sow them), then the logits'."""
+    if not listening():
+        return
+    figure = f"forward: error per decoder block ({a.logits.dtype})"
+
+    def where(x: str) -> dict[str, str]:
+        return {"figure": figure, "series": title, "x": x}
+
+    if a.hidden is not None and b.hidden is not None and a.hidden.shape == b.hidden.shape:
+        for i in range(a.hidden.shape[0]):
+            trees = {f"hidden_states[{i}]": a.hidden[i]}, {f"hidden_states[{i}]": b.hidden[i]}
+            mismatches = compare_trees(*trees, tol)
+            x = f"block {i}"
+            emit(measure(f"{title}: {x}", *trees, mismatches, tolerance=tol, **where(x)))
+    # The logits' verdict is the check's own (it may have used a wider reference).
+    emit_verdict(
+        f"{title}: logits", "logits", a.logits, b.logits, found, tolerance=tol, **where("logits")
+    )
+
+
+def check_forward(case: Case) -> None:
+    """Logits agree after transplanting Linen -> NNX and NNX -> Linen on the case's mesh.
+
+    Tolerance follows the policy for the case's compute dtype. Below float32, an element
+    outside tolerance passes when NNX is no farther than Linen from Linen's float32
+    result from the same parameters (the policy's tie-break).
+    """
+    linen, nnx_ = live_pair(case)
+    mapping = param_map(linen, nnx_)
+    batch = case.batch()
+    linen_own, nnx_own = linen.init(0), nnx_.init(1)
+    directions = {
+        "Linen params -> NNX": (linen_own, nnx_.receive(linen_own, linen)),
+        "NNX params -> Linen": (linen.receive(nnx_own, nnx_), nnx_own),
+    }
+    compared = []
+    for direction, (linen_params, nnx_params) in directions.items():
+        a = ForwardResult(*linen.forward(linen_params, batch))
+        b = ForwardResult(*nnx_.forward(nnx_params, batch))
+        tol = tolerance_for(a.logits.dtype)
+        found = compare_arrays("logits", a.logits, b.logits, tol)
+        if found is not None and case.dtype != jnp.float32:
+            wider = LinenSide(case.in_dtype(jnp.float32))
+            ref = wider.forward(linen_params, batch)[0]
+            found = compare_arrays("logits", a.logits, b.logits, tol, reference=ref)
+        _measure_forward(f"{direction} on mesh {case.mesh.id}", a, b, tol, found)
+        compared.append((direction, linen_params, nnx_params, a, b, tol, found))
+    # Both directions are measured first; the first that disagrees is the verdict.
+    for direction, linen_params, nnx_params, a, b, tol, found in compared:
+        if found is None:
+            continue
+        rules = case.family.path_rules(case.bound)
+        found_module = localise(
+            linen.runner, nnx_.runner, linen_params, nnx_params, batch, mapping, rules
+        )
+        where = found_module.describe() if isinstance(found_module, Divergence) else found_module
+        if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
+            where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
+        moved = forward_attribution(linen, nnx_, (a.logits, b.logits), (linen_params, nnx_params))
+        fail(
+            report(f"{direction} on mesh {case.mesh.id}", [found], ("Linen", "NNX"))
+            + f"\n  {where}\n  {moved}"
+        )

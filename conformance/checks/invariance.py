@@ -1,0 +1,89 @@
+"""Sharding invariance: each backend on a mesh computes what it computes on one device.
+
+Sharding annotations choose where data lives, never what is computed. The check runs
+each backend's forward and one train step from the same parameters and batch on the
+mesh and on one device (the case's one-device reference), and compares the logits, the
+loss, every gradient and the whole next state under the tolerance policy, except
+updated parameter elements whose gradient is rounding noise on both runs
+(:func:`~conformance.runtime.diagnose.attribution.noise_masked`: Adam turns that noise
+into a full step). The one-device results are kept on the host and computed once per
+family and config.
+"""
+
+from __future__ import annotations
+
+from conformance.checks.kernel import step_tree, train_pair
+from conformance.core.failure import fail
+from conformance.core.numerics import compare_trees, report
+from conformance.core.records import emit, listening, measure
+from conformance.core.scope import kept, scoped
+from conformance.core.trees import Flat
+from conformance.runtime.backends import TransplantError
+from conformance.runtime.case import Case
+from conformance.runtime.diagnose.attribution import noise_masked, on_host
+from conformance.runtime.sides import SIDES
+
+
+def _results(case: Case, start: Flat | None) -> tuple[Flat, dict[str, Flat]]:
+    """Both backends' logits and one step from ``start``: ``(start, {backend: results})``."""
+    try:
+        pair = train_pair(case, start)
+    except TransplantError as err:
+        fail(str(err))
+    batch = case.batch()
+    start = pair[0].initial
+    logits = [training.side.forward(training.params(), batch)[0] for training in pair]
+    steps = [training.advance(batch) for training in pair]
+    return start, {
+        training.side.backend: {"logits": logits[i], **step_tree(steps[i])}
+        for i, training in enumerate(pair)
+    }
+
+
+@kept
+def reference(case: Case) -> tuple[Flat, dict[str, Flat]]:
+    """On the one-device ``case``: Linen's initial parameters and both backends' results.
+
+    Host arrays only, so they outlive the programs that computed them.
+    """
+    start, results = _results(case, None)
+    return on_host(start), {backend: on_host(flat) for backend, flat in results.items()}
+
+
+@scoped
+def _on_mesh(case: Case) -> dict[str, Flat]:
+    start, _ = reference(case.on_one_device())
+    return _results(case, start)[1]
+
+
+def check_sharding_invariance(case: Case, backend: str) -> None:
+    """``backend`` on the case's mesh gives its one-device logits, loss, gradients and state.
+
+    Both runs start from the same parameters (Linen's, transplanted for NNX) and batch.
+    A failure names the backend, the mesh and every leaf that moved.
+    """
+    if backend not in SIDES:
+        raise ValueError(f"unknown backend {backend!r}; use one of {tuple(SIDES)}")
+    name, mesh = SIDES[backend].name, case.mesh
+    _, expected = reference(case.on_one_device())
+    actual, masked = noise_masked(expected[backend], _on_mesh(case)[backend])
+    found = compare_trees(expected[backend], actual)
+    names = ("one device", f"mesh {mesh.id}")
+    if listening():
+        title = f"{name} on mesh {mesh.id} against one device"
+        emit(measure(title, expected[backend], actual, found, names=names))
+    if found:
+        title = (
+            f"{name} on mesh {mesh.id} against {name} on one device, from the same "
+            "parameters and batch (forward logits, then one train step; "
+            f"{masked} updated parameter element(s) with a gradient within atol of zero "
+            "not compared)"
+        )
+        fail(
+            report(title, found, names)
+            + f"\n  {name} computes differently when partitioned on mesh {mesh.id}. "
+            "Sharding annotations choose where data lives, never what is computed: this is a "
+            "partitioning problem (an annotation or constraint that XLA's SPMD partitioner "
+            "miscomputes, often with an '[SPMD] Involuntary full rematerialization' warning "
+            "in the log, or a collective over the wrong mesh axis), not a Linen/NNX divergence"
+        )

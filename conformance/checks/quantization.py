@@ -1,0 +1,220 @@
+"""Quantization checks: Qwix QAT and PTQ, int8 and fp8, on both backends.
+
+Both sides quantize the same float parameters (Linen's, transplanted to NNX), each the
+way a user of that backend would: Linen through ``qwix.quantize_params`` on the
+abstract quantized tree, NNX through ``qwix.quantize_model`` on the float model. The
+quantized layouts must agree leaf for leaf, the quantized forwards must agree under the
+tolerance policy, and each must differ from the float forward by more than zero and by
+no more than the mode's stated bound.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from conformance.checks.kernel import (
+    agreed_specs,
+    error_bound,
+    forward_attribution,
+    leaf_table,
+    shared_params,
+    train_step_parity,
+)
+from conformance.core.distributed import host_array
+from conformance.core.failure import fail, fail_if_any
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.records import emit_verdict, failed
+from conformance.core.trees import (
+    PathMapError,
+    flatten_state,
+    map_paths,
+    structure_diff,
+    variable_kind,
+)
+from conformance.runtime import checkpoints
+from conformance.runtime.case import Case
+from conformance.runtime.quant import MODES, unused_rules
+from conformance.runtime.sides import Side, live_pair
+
+TOPOLOGY_MODE = "qat_fp8"
+"""The Qwix mode ``quant_hygiene_topology`` quantizes production sizes with (fp8, as the
+large training workloads do)."""
+
+
+def quantized_pair(case: Case) -> tuple[Side, Side, dict[str, str]]:
+    """Both sides of the quantized case, and ``{Linen path: NNX path}`` of their params.
+
+    Fails if a quantization rule matched no operation on either side.
+    """
+    linen, nnx_ = live_pair(case)
+    for side in (linen, nnx_):
+        if side.runner.provider is not None:
+            fail_if_any(
+                f"{side.name} {case.quant}: a rule is a no-op", unused_rules(side.runner.provider)
+            )
+    try:
+        mapping = map_paths(case.family.path_rules(case.bound), linen.runner.specs)
+    except PathMapError as err:
+        fail(str(err))
+    return linen, nnx_, mapping
+
+
+def check_quant_params(case: Case) -> dict[str, Any]:
+    """The quantized parameter trees agree across backends in paths, shapes, dtypes and specs.
+
+    For PTQ, kernels must have become ``qvalue`` leaves of the mode's type. Returns the
+    golden payload.
+    """
+    quant, mode = case.quant, MODES[case.quant]
+    linen, nnx_, mapping = quantized_pair(case)
+    a, b = linen.runner, nnx_.runner
+    problems = structure_diff(a.specs, b.specs, mapping)
+    counts = f"Linen {len(a.specs)} leaves, NNX {len(b.specs)} leaves"
+    fail_if_any(f"{quant}: {len(problems)} difference(s) ({counts})", problems)
+    if mode.method == "ptq":
+        qvalues = [p for p, s in b.specs.items() if p.endswith("/qvalue")]
+        wrong = [f"{p}: {b.specs[p].dtype}" for p in qvalues if b.specs[p].dtype != mode.qtype]
+        if not qvalues:
+            fail(f"{quant}: no parameter was quantized (no qvalue leaf)")
+        fail_if_any(f"{quant}: qvalue leaves not of type {mode.qtype}", wrong)
+    _, nnx_specs = agreed_specs((linen, a.logical, a.specs), (nnx_, b.logical, b.specs), mapping)
+    return {
+        "mode": quant,
+        "mesh": dict(case.mesh.axes),
+        "leaf_count": len(b.specs),
+        "leaves": leaf_table(b.specs, nnx_specs),
+    }
+
+
+def check_quant_forward(case: Case) -> None:
+    """Linen and NNX quantized forwards agree, and each stays within the mode's error bound.
+
+    Both quantize the same float parameters (Linen's, transplanted to NNX). For PTQ,
+    the quantized parameters themselves must agree first: every ``qvalue`` exactly,
+    every ``scale`` under the float policy.
+    """
+    quant, mode = case.quant, MODES[case.quant]
+    linen, nnx_, mapping = quantized_pair(case)
+    linen_float, nnx_float = shared_params(*live_pair(case.quantized(None)))
+    linen_q, nnx_q = linen.runner.quantize(linen_float), nnx_.runner.quantize(nnx_float)
+    if mode.method == "ptq":
+        moved = {mapping[p]: v for p, v in linen_q.items()}
+        mismatches = compare_trees(moved, nnx_q)
+        if mismatches:
+            title = f"{quant} quantized parameters on mesh {case.mesh.id}"
+            fail(failed(title, mismatches, ("Linen", "NNX")))
+    batch = case.batch()
+    reference = host_array(linen.unquantized().forward(linen_float, batch)[0])
+    linen_logits = host_array(linen.forward(linen_q, batch)[0])
+    nnx_logits = host_array(nnx_.forward(nnx_q, batch)[0])
+    found = compare_arrays("logits", linen_logits, nnx_logits)
+    title = f"{quant} forward on mesh {case.mesh.id} (index: batch, position, vocab)"
+    emit_verdict(title, "logits", linen_logits, nnx_logits, found)
+    if found is not None:
+        moved = forward_attribution(linen, nnx_, (linen_logits, nnx_logits), (linen_q, nnx_q))
+        fail(report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+    for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
+        where = f"{side.name} {quant} on mesh {case.mesh.id}"
+        error_bound(where, logits, reference, mode.max_error)
+
+
+def _nnx_transients(model: nnx.Module, allowed: set[type]) -> list[str]:
+    """Variables of ``model`` whose type the float model does not have, with the type."""
+    return [
+        f"{path}: {variable_kind(var)} appeared with quantization"
+        for path, var in flatten_state(nnx.state(model)).items()
+        if type(var) not in allowed
+    ]
+
+
+def check_quant_hygiene(case: Case) -> None:
+    """Quantizing leaves nothing transient behind, and every leaf has a sharding.
+
+    NNX: the quantized model holds only Variable types the float model holds (the
+    tracing forward Qwix runs must not leave ``nnx.Intermediate`` or other sown values).
+    Linen: ``init`` of the quantized module returns only the float module's collections.
+    Both: the parameter tree and its sharding tree have equal leaf counts.
+    """
+    quant = case.quant
+    linen, nnx_, _ = quantized_pair(case)
+    float_model = nnx.eval_shape(lambda: nnx_.unquantized().runner.build(0))
+    allowed = {type(v) for v in flatten_state(nnx.state(float_model)).values()}
+    quantized_model = nnx.eval_shape(lambda: nnx_.runner.build(0))
+    fail_if_any(
+        f"NNX {quant}: quantization left transient state in the model",
+        _nnx_transients(quantized_model, allowed),
+    )
+    example = case.family.batch(case.bound, 1)
+    inputs = (example.tokens, example.positions, example.segment_ids)
+    float_module = linen.unquantized().runner.module
+    expected = set(jax.eval_shape(float_module.init, jax.random.key(0), *inputs))
+    found = set(jax.eval_shape(linen.runner.module.init, jax.random.key(0), *inputs))
+    extra = [f"collection {name!r} appeared with quantization" for name in sorted(found - expected)]
+    fail_if_any(f"Linen {quant}: init returns transient collections", extra)
+    leaves = {
+        "Linen": len(
+            jax.tree.leaves(
+                jax.eval_shape(linen.runner.module.init, jax.random.key(0), *inputs)["params"]
+            )
+        ),
+        "NNX": len(jax.tree.leaves(nnx.state(quantized_model, nnx.Param))),
+    }
+    for side in (linen, nnx_):
+        n_specs = len(case.specs(side.runner.logical))
+        if leaves[side.name] != n_specs:
+            fail(
+                f"{side.name} {quant}: the parameter tree has {leaves[side.name]} leaves but its "
+                f"sharding tree has {n_specs}"
+            )
+
+
+def check_quant_hygiene_topology(case: Case) -> None:
+    """:func:`check_quant_hygiene` on a production size, abstractly, in :data:`TOPOLOGY_MODE`.
+
+    A family that does not declare the mode has nothing to check (the suite skips it).
+    """
+    check_quant_hygiene(case.quantized(TOPOLOGY_MODE))
+
+
+def check_qat_train_step(case: Case) -> None:
+    """Both sides train the QAT-quantized model alike for several steps (the train-step check)."""
+    train_step_parity(case, "qat_train_step")
+
+
+def check_quant_checkpoint(case: Case, workdir: Path) -> None:
+    """Quantized parameters survive an orbax save and a strict restore, on each backend.
+
+    Each side saves the quantized parameters of its own sharded init. Every leaf
+    (``qvalue`` bytes, scales, float leaves) must come back byte-exact with its dtype,
+    and the restored model's forward must equal the saved model's exactly.
+    """
+    quant = case.quant
+    linen, nnx_, _ = quantized_pair(case)
+    batch = case.batch()
+    for side in (linen, nnx_):
+        runner = side.runner
+        params = side.init(0)
+        info = checkpoints.CheckpointInfo(
+            case.family.name, case.family.device_size, side.backend, case.scan_layers
+        )
+        directory = workdir / f"{side.backend}-{quant}"
+        checkpoints.save(directory, params, info)
+        shardings = {path: value.sharding for path, value in params.items()}
+        try:
+            restored = checkpoints.restore(directory, runner.specs, shardings)
+        except checkpoints.CheckpointError as err:
+            fail(f"{side.name} {quant}: {err}")
+        mismatches = compare_trees(params, restored, EXACT)
+        if mismatches:
+            title = f"{side.name} {quant} parameters after an orbax round trip"
+            fail(failed(title, mismatches, ("saved", "restored")))
+        found = compare_arrays(
+            "logits", runner.forward(params, batch)[0], runner.forward(restored, batch)[0], EXACT
+        )
+        if found is not None:
+            title = f"{side.name} {quant} forward after an orbax round trip"
+            fail(failed(title, [found], ("saved", "restored")))

@@ -1,0 +1,123 @@
+"""What the two sides are made of: leaves, shapes and dtypes, shardings, initialisers.
+
+These checks compare layouts, not computations: they need no device for
+``structure`` and the abstract ``sharding_topology``, and one sharded init per side
+for ``sharding`` on a device mesh and ``init``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from conformance.checks.kernel import agreed_specs, misplaced, param_map
+from conformance.core.distributed import host_array
+from conformance.core.failure import fail, fail_if_any
+from conformance.core.sharding import spec_to_json
+from conformance.core.trees import map_paths, structure_diff
+from conformance.runtime.case import Case
+from conformance.runtime.sides import Side, live_pair
+
+INIT_Z = 6.0
+"""Init check bound: per-leaf means and stds may differ by this many standard errors."""
+
+
+def check_structure(case: Case) -> dict[str, Any]:
+    """Both sides have the same leaves, shapes and dtypes after the path map.
+
+    Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
+    NNX model's RNG stream variables, which have no Linen counterpart and which train
+    states leave out (see :mod:`conformance.runtime.training`).
+    """
+    linen, nnx_ = (side.runner for side in live_pair(case))
+    rules = case.family.path_rules(case.bound)
+    mapping = map_paths(rules, linen.specs)
+    linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
+    problems = structure_diff(linen.specs, nnx_.specs, mapping, linen_held, nnx_.held)
+    counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
+    fail_if_any(f"{len(problems)} difference(s) ({counts})", problems)
+    return {
+        "leaf_count": len(nnx_.specs),
+        "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
+        "leaves": {p: {"shape": list(s.shape), "dtype": s.dtype} for p, s in nnx_.specs.items()},
+        "nnx_rng_streams": nnx_.rng_streams,
+    }
+
+
+def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]:
+    return side, side.runner.logical, side.runner.specs
+
+
+def check_sharding(case: Case) -> dict[str, Any]:
+    """Both sides resolve to the same PartitionSpec per leaf, and every split is even.
+
+    On a device mesh, both sides are also initialised there and every array is checked
+    to be placed with its resolved spec; on an abstract one (a production topology)
+    nothing is allocated. Returns the golden payload.
+    """
+    family = case.family
+    rules = family.axis_rules(case.config)
+    if case.devices is not None and tuple(rules) != tuple(family.logical_axis_rules()):
+        fail(
+            "axis_rules(config) of the device size differ from logical_axis_rules(), "
+            "which every array placed on devices follows"
+        )
+    linen, nnx_ = live_pair(case)
+    mapping = param_map(linen, nnx_)
+    linen_specs, nnx_specs = agreed_specs(_parameters(linen), _parameters(nnx_), mapping, rules)
+    if case.devices is not None:
+        for side, specs in ((linen, linen_specs), (nnx_, nnx_specs)):
+            _check_placement(side, specs)
+    return {
+        "mesh": dict(case.mesh.axes),
+        "leaves": {
+            dst: {
+                "logical": list(nnx_.runner.logical[dst] or ()),
+                "spec": spec_to_json(nnx_specs[dst], len(nnx_.runner.specs[dst].shape)),
+            }
+            for dst in sorted(nnx_specs)
+        },
+    }
+
+
+def _check_placement(side: Side, specs: Mapping[str, PartitionSpec]) -> None:
+    shardings = {p: NamedSharding(side.case.devices, s) for p, s in specs.items()}
+    params = side.runner.init(0, shardings)
+    fail_if_any(f"{side.name} arrays placed off their specs", misplaced(params, shardings))
+
+
+def check_init(case: Case) -> None:
+    """Per-leaf mean and std of the two sides' initial values agree within :data:`INIT_Z`.
+
+    Values cannot agree (the backends draw random numbers differently); their
+    distributions must. A leaf constant on one side must equal the other exactly.
+    """
+    linen, nnx_ = live_pair(case)
+    mapping = param_map(linen, nnx_)
+    a, b = linen.init(0), nnx_.init(0)
+    problems = []
+    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
+        x, y = host_array(a[src]).astype(np.float64), host_array(b[dst]).astype(np.float64)
+        n = x.size
+        (mx, sx), (my, sy) = (x.mean(), x.std()), (y.mean(), y.std())
+        if sx == 0 or sy == 0:
+            ok = sx == sy and mx == my
+            bound = "exact (constant initialiser)"
+        else:
+            mean_se = np.sqrt((sx**2 + sy**2) / n)
+            std_se = (sx + sy) / 2 / np.sqrt(n)
+            ok = abs(mx - my) <= INIT_Z * mean_se and abs(sx - sy) <= INIT_Z * std_se
+            bound = f"|dmean| <= {INIT_Z * mean_se:.3g}, |dstd| <= {INIT_Z * std_se:.3g}"
+        if not ok:
+            problems.append(
+                f"{dst}: Linen mean={mx:.6g} std={sx:.6g}; NNX mean={my:.6g} std={sy:.6g}; "
+                f"n={n}; allowed {bound}"
+            )
+    title = (
+        f"{len(problems)} leaf initialiser(s) differ in distribution "
+        f"(bound: {INIT_Z:g} standard errors)"
+    )
+    fail_if_any(title, problems)

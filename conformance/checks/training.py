@@ -1,0 +1,359 @@
+"""Train-step checks: parity across backends, accumulation, layout variants, hygiene.
+
+Each check compares jitted, sharded train steps of the two sides (or of one side in two
+configurations) leaf for leaf through :mod:`conformance.checks.kernel`; reports name
+the step and the leaf path, and say whether each side agrees with itself on one device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from conformance.checks.kernel import (
+    StepResult,
+    Training,
+    misplaced,
+    param_map,
+    params_of,
+    steps_agree,
+    train_pair,
+    train_step_parity,
+)
+from conformance.core.failure import fail, fail_if_any
+from conformance.core.sharding import indivisible, spec_to_json
+from conformance.core.trees import (
+    Flat,
+    flatten_state,
+    layer_table,
+    map_state_paths,
+    restack,
+    specs,
+    structure_diff,
+    variable_kind,
+)
+from conformance.runtime.backends import TransplantError
+from conformance.runtime.case import Case
+from conformance.runtime.sides import LinenSide, Side, live_pair
+from conformance.runtime.training import flat_state, masked_token_loss
+
+MICRO_BATCHES = 4
+"""Micro-batches the accumulation check splits a batch into."""
+
+VOCAB_TILES = 4
+"""Slices the tiled loss cuts the batch's positions into."""
+
+DROPOUT_RATE = 0.1
+"""Dropout rate :func:`check_dropout` asks the family's :meth:`~Family.variant` for."""
+
+PERSISTENT = (nnx.Param, nnx.OptState)
+"""Variable types allowed in an NNX train state (optimizer variables subclass OptState)."""
+
+LAYOUT_VARIANTS = ("remat", "scan_layers")
+"""Variants :func:`check_layout` compares with the plain layout."""
+
+
+def check_train_step(case: Case) -> None:
+    """Linen and NNX agree for :data:`~conformance.checks.kernel.STEPS` steps.
+
+    See :func:`~conformance.checks.kernel.train_step_parity`.
+    """
+    train_step_parity(case, "train_step")
+
+
+def check_fp8_train_step(case: Case) -> None:
+    """:func:`check_train_step` on the family's FP8 config (:meth:`Family.fp8_config`).
+
+    Each step's comparison covers the parameters' gradients and the whole next state,
+    which holds the FP8 scales and amax histories each side overwrote with its gradient.
+    """
+    train_step_parity(case.with_config(case.family.fp8_config(case.config)), "fp8_train_step")
+
+
+def _plain_and_variant(
+    case: Case, variant: Mapping[str, Any], start: Flat | None = None
+) -> tuple[Flat, tuple[StepResult, ...], tuple[StepResult, ...]]:
+    """One step of both sides, plain and with ``variant``: ``(start, plain, varied)``.
+
+    ``variant`` holds keywords of :func:`~conformance.checks.kernel.train_pair`; both
+    steps start from the same parameters.
+    """
+    batch = case.batch()
+    try:
+        plain = train_pair(case, start)
+    except TransplantError as err:
+        fail(str(err))
+    start = plain[0].initial
+    try:
+        varied = train_pair(case, start, **variant)
+    except TransplantError as err:
+        fail(f"the parameters change with {dict(variant)}: {err}")
+    return (
+        start,
+        tuple(side.advance(batch) for side in plain),
+        tuple(side.advance(batch) for side in varied),
+    )
+
+
+def _step_variant(case: Case, names: tuple[str, str], variant: Mapping[str, Any]) -> None:
+    """One step with ``variant`` equals the plain step, on each backend and across.
+
+    ``names`` name the plain and the varied step in reports. A failure also says
+    whether each result agrees with the same step on one device.
+    """
+    start, plain, varied = _plain_and_variant(case, variant)
+
+    @functools.cache
+    def reference() -> tuple[Any, ...]:
+        return _plain_and_variant(case.on_one_device(), variant, start)[1:]
+
+    what = f"one step on mesh {case.mesh.id}"
+    for i, side in enumerate(live_pair(case)):
+        steps_agree(
+            f"{side.name} {what}",
+            plain[i],
+            varied[i],
+            names,
+            case=case,
+            reference=functools.partial(lambda i: tuple(r[i] for r in reference()), i),
+        )
+    steps_agree(
+        f"{names[1]}, {what}",
+        varied[0],
+        varied[1],
+        case=case,
+        reference=lambda: reference()[1],
+    )
+
+
+def check_grad_accumulation(case: Case) -> None:
+    """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
+
+    Holds on each backend, and across backends for the accumulated step.
+    """
+    names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
+    _step_variant(case, names, {"micro_batches": MICRO_BATCHES})
+
+
+def check_vocab_tiling(case: Case) -> None:
+    """One step with a :data:`VOCAB_TILES`-tiled loss equals the untiled step.
+
+    A tiled loss never holds the ``[batch, seq, vocab]`` logits at once, so it usually
+    comes with a hand-written backward pass; one that drops the cotangent it is given,
+    or mis-slices the hidden states, still trains, only with wrong gradients. Holds on
+    each backend (loss, every gradient, the next state), and across backends for the
+    tiled step. The tiled step differentiates the mean loss, so the tiled loss's
+    backward pass receives a cotangent other than 1. Tiling must not change the
+    parameters.
+    """
+    names = ("untiled", f"{VOCAB_TILES} vocab tiles")
+    _step_variant(case, names, {"vocab_tiles": VOCAB_TILES})
+
+
+def _to_variant(plain: Side, varied: Side, variant: str) -> Any:
+    """Convert ``plain``'s parameter paths and values to ``varied``'s layout."""
+    if variant != "scan_layers":
+        return dict
+    family, config = plain.case.family, plain.case.bound
+    rules = family.layer_stack_rules(config)
+    if not rules:
+        fail("declares both layer layouts but no layer_stack_rules to stack them")
+    linen_plain, linen_varied = LinenSide(plain.case), LinenSide(varied.case)
+    table = layer_table(rules, linen_plain.runner.specs)
+    axis = family.layer_stack_axis
+    # Through Linen's paths, where the stack rules apply, and back.
+    return lambda flat: varied.own(
+        linen_varied.canonical(restack(linen_plain.own(plain.canonical(flat)), table, True, axis))
+    )
+
+
+def _layout_steps(
+    sides: tuple[Side, Side], variant: str, start: Flat | None = None
+) -> tuple[Flat, tuple[StepResult, StepResult]]:
+    """One step of a plain and a varied side from the same parameters.
+
+    Returns ``(start, (plain, varied))``, the plain step converted to the varied
+    layout; ``start`` is the plain side's parameters (initialised from seed 0 by
+    default).
+    """
+    plain, varied = sides
+    convert = _to_variant(plain, varied, variant)
+    batch = plain.case.batch()
+    results = []
+    for side in sides:
+        params = start if side is plain else convert(start)
+        training = Training.start(side, params)
+        if start is None:
+            start = training.initial
+        state, metrics = training.step(training.state, batch)
+        results.append(
+            (params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
+        )
+    (state_a, loss_a, grads_a), varied_step = results
+    return start, ((convert(state_a), loss_a, convert(grads_a)), varied_step)
+
+
+def check_layout(case: Case, variant: str) -> None:
+    """A variant that must not change numerics does not: ``remat`` or ``scan_layers``.
+
+    The plain config is the case's, with a list of layers; the varied one is
+    :meth:`~conformance.contract.Family.variant` with ``remat``, or the scanned config.
+    On each backend, one step of each from the same parameters gives the same loss,
+    gradients and next parameters; for ``scan_layers`` the plain layout's layers are
+    stacked with the family's :meth:`~conformance.contract.Family.layer_stack_rules`.
+    A failure also says whether each layout agrees with itself on one device.
+    """
+    if variant not in LAYOUT_VARIANTS:
+        raise ValueError(f"unknown layout variant {variant!r}; use one of {LAYOUT_VARIANTS}")
+    family = case.family
+    plain_case = Case.of(family, case.size, scan_layers=False, mesh=case.mesh, devices=case.devices)
+    if variant == "remat":
+        varied_case = plain_case.with_config(family.variant(plain_case.config, remat=True))
+    else:
+        varied_case = Case.of(
+            family, case.size, scan_layers=True, mesh=case.mesh, devices=case.devices
+        )
+    for plain, varied in zip(live_pair(plain_case), live_pair(varied_case), strict=True):
+        start, (plain_step, varied_step) = _layout_steps((plain, varied), variant)
+
+        def reference(
+            sides: tuple[Side, Side] = (plain, varied), start: Flat = start
+        ) -> tuple[StepResult, StepResult]:
+            return _layout_steps(tuple(s.reference() for s in sides), variant, start)[1]
+
+        steps_agree(
+            f"{plain.name} one step on mesh {case.mesh.id}",
+            plain_step,
+            varied_step,
+            ("plain", variant),
+            case=case,
+            reference=reference,
+        )
+
+
+def _nnx_transients(state: nnx.State) -> list[str]:
+    """Leaves of an NNX state that are not parameters or optimizer state, with their type."""
+    return [
+        f"{path}: {variable_kind(var)} is not persistent state"
+        for path, var in flatten_state(state).items()
+        if not isinstance(var, PERSISTENT)
+    ]
+
+
+def check_hygiene(case: Case) -> None:
+    """A step returns exactly the state it was given: nothing transient, nothing lost.
+
+    On each backend: the returned state has the input's paths, shapes, dtypes, leaf
+    count and shardings; (NNX) it holds only parameters and optimizer state, no
+    ``nnx.Intermediate`` or Variable type made by sowing under a string name; the state
+    and its sharding tree have equal leaf counts; and the step leaks no tracer
+    (``jax.checking_leaks``).
+    """
+    try:
+        pair = train_pair(case)
+    except TransplantError as err:
+        fail(str(err))
+    batch = case.batch()
+    for training in pair:
+        name, trainer = training.side.name, training.trainer
+        out, _ = jax.eval_shape(trainer.step, trainer.abstract_state, batch)
+        problems = structure_diff(
+            specs(flat_state(trainer.abstract_state)), specs(flat_state(out)), {}
+        )
+        if isinstance(out, nnx.State):
+            problems += _nnx_transients(out)
+        n_state = len(jax.tree.leaves(training.state))
+        n_shard = len(jax.tree.leaves(training.shardings))
+        if n_state != n_shard:
+            problems.append(f"state has {n_state} leaves but its sharding tree has {n_shard}")
+        title = f"{name} train step does not return its input state (left: input, right: output)"
+        fail_if_any(title, problems)
+        try:
+            with jax.checking_leaks():
+                new_state, _ = training.step(training.state, batch)
+        except Exception as err:  # jax reports a leaked tracer as a plain Exception
+            if "leak" not in str(err).lower():
+                raise
+            fail(f"{name} train step leaks a tracer: {err}")
+        expected = {p: v.sharding for p, v in flat_state(training.state).items()}
+        fail_if_any(
+            f"{name} train step changes shardings",
+            misplaced(flat_state(new_state), expected),
+        )
+
+
+def check_optimizer_sharding(case: Case) -> dict[str, Any]:
+    """Both sides shard every optimizer-state leaf alike, and evenly; returns the golden.
+
+    Linen's optimizer leaves take the spec of the parameter they mirror; NNX's are read
+    from the optimizer Variables' own ``out_sharding`` metadata, resolved by the same
+    rules, so a divergence in how NNX annotates optimizer state is caught.
+    """
+    linen, nnx_ = live_pair(case)
+    lt, nt = linen.trainer(), nnx_.trainer()
+    mapping = map_state_paths(param_map(linen, nnx_), lt.logical)
+    linen_specs, nnx_specs = case.specs(lt.logical), case.specs(nt.logical)
+    shapes = specs(flat_state(nt.abstract_state))
+    problems = []
+    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
+        if not dst.startswith("optimizer/"):
+            continue
+        if dst not in nnx_specs:
+            problems.append(f"{dst}: Linen has it (as {src}); NNX does not")
+            continue
+        if linen_specs[src] != nnx_specs[dst]:
+            problems.append(
+                f"{dst}: Linen {linen_specs[src]} != NNX {nnx_specs[dst]} "
+                f"(NNX logical {nt.logical[dst]})"
+            )
+        for dim, size, shards in indivisible(shapes[dst].shape, nnx_specs[dst], case.mesh):
+            problems.append(
+                f"{dst}: dim {dim} of size {size} is split {shards} ways: not divisible"
+            )
+    fail_if_any(f"{len(problems)} problem(s) on mesh {case.mesh.id}", problems)
+    return {
+        "mesh": dict(case.mesh.axes),
+        "leaves": {
+            p: spec_to_json(s, len(shapes[p].shape))
+            for p, s in sorted(nnx_specs.items())
+            if p.startswith("optimizer/")
+        },
+    }
+
+
+def check_dropout(case: Case) -> None:
+    """With dropout on, each backend trains deterministically for a fixed seed.
+
+    The config is :meth:`~conformance.contract.Family.variant` with dropout at
+    :data:`DROPOUT_RATE`. Two runs of two steps from the same parameters give identical
+    losses, and dropout is really applied: the first training loss differs from the
+    deterministic forward's.
+    """
+    noisy = case.with_config(case.family.variant(case.config, dropout=DROPOUT_RATE))
+    batch = case.batch()
+    for side in live_pair(noisy):
+        params = side.init(0)
+        loss_sum, count = masked_token_loss(side.forward(params, batch)[0], batch)
+        runs = [_dropout_losses(side, params, batch) for _ in range(2)]
+        if runs[0] != runs[1]:
+            fail(
+                f"{side.name} losses differ between two runs from one seed: {runs[0]} vs {runs[1]}"
+            )
+        if runs[0][0] == float(loss_sum / count):
+            fail(
+                f"{side.name} training loss with dropout {DROPOUT_RATE} equals the "
+                f"deterministic loss ({runs[0][0]!r}): dropout is not applied"
+            )
+
+
+def _dropout_losses(side: Side, params: Flat, batch: Any) -> list[float]:
+    training = Training.start(side, params)
+    state, losses = training.state, []
+    for _ in range(2):
+        state, metrics = training.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses

@@ -1,0 +1,75 @@
+"""The run's verdict per family and check: the agreement matrix, and unused goldens.
+
+:class:`SessionReport` counts each planned test's outcome under its ``(family, check)``
+cell, prints the matrix at the end (process 0 of a multi-controller run), and fails the
+session when a golden on disk is claimed by no collected test.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.core import distributed
+from conformance.pytest_plugin.goldens import unused_goldens
+from conformance.pytest_plugin.session import settings
+from conformance.report.model import matrix_rows
+
+CLAIMED = pytest.StashKey[set[Path]]()
+"""Golden files claimed by a collected test (set during collection)."""
+
+
+class SessionReport:
+    """Per-session results: the family x check matrix and the unused-goldens verdict."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.unused: list[Path] = []
+        config.stash[CLAIMED] = set()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Count each suite test's outcome under its (family, check) cell."""
+        key = dict(report.user_properties).get("conformance")
+        if key is None or (report.when != "call" and report.passed):
+            return
+        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        self.results[tuple(key)][outcome] += 1
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Fail the session if a golden is unused (never on an xdist worker)."""
+        if hasattr(self.config, "workerinput") or session.exitstatus not in (0, 1):
+            return
+        run = settings(self.config)
+        families = {f.name for f in run.families}
+        self.unused = unused_goldens(self.config, run.goldens, self.config.stash[CLAIMED], families)
+        if self.unused:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Print the agreement matrix (process 0 only) and any unused goldens."""
+        if self.results and not distributed.is_leader():
+            terminalreporter.write_line("agreement matrix: in process 0's output")
+        elif self.results:
+            title = "Linen/NNX agreement (agreed/run; f=failed s=skipped x=xfailed)"
+            terminalreporter.section(title)
+            for line in agreement_matrix(self.results):
+                terminalreporter.write_line(line)
+        if self.unused:
+            terminalreporter.section("unused goldens", red=True)
+            terminalreporter.write_line(
+                "no collected test claims these files; if their tests were removed or renamed "
+                "on purpose, delete them with `git rm` in a reviewed commit:"
+            )
+            for path in self.unused:
+                terminalreporter.write_line(f"  {path.relative_to(self.config.rootpath)}")
+
+
+def agreement_matrix(results: dict[tuple[str, str], dict[str, int]]) -> list[str]:
+    """The family x check table, one row per family; a cell reads ``agreed/run (extras)``."""
+    rows = matrix_rows(results)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]

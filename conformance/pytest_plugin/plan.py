@@ -1,0 +1,235 @@
+"""From the check registry to pytest's tests: one planned test per family and combination.
+
+Every test the plugin parametrizes is planned here, a registered check of the suite or
+a user's own test over the plugin's axes alike: its id (the axis values' ids in
+:data:`~conformance.checks.registry.AXES` order, then the check's own parameters), its
+values, and its marks (a skip with the reason when the family lacks what the check
+needs, else a strict xfail when the registry expects it to fail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.checks.registry import (
+    AXES,
+    Check,
+    ExpectedFailure,
+    Param,
+    expected_failure,
+)
+from conformance.contract import Family
+from conformance.core.sharding import MeshSpec
+from conformance.pytest_plugin.session import DTYPES, LAYOUTS, Settings, settings
+from conformance.runtime.quant import MODES
+
+CASE = "conformance_case"
+"""The parameter (a :class:`Planned`) of every registered suite check."""
+
+Group = tuple[str, bool, str]
+"""``(family, scan_layers, mesh id)``: tests that can share compiled programs."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Planned:
+    """One test of a check on a family, as collected: its id, axis values and parameters."""
+
+    check: Check
+    family: Family
+    id: str
+    values: Mapping[str, Any]
+    """Axis name -> value (``family``, ``mesh``, ``scan_layers``, ...)."""
+    params: Mapping[str, Param]
+    """The check's own parameters, by name."""
+
+    def __repr__(self) -> str:
+        return self.id
+
+    def facets(self) -> dict[str, Any]:
+        """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion."""
+        dtype_ids = {v: k for k, v in DTYPES.items()}
+        found: dict[str, Any] = {
+            "scan_layers": self.values.get("scan_layers"),
+            "quant": self.values.get("quant"),
+        }
+        if isinstance(mesh := self.values.get("mesh"), MeshSpec):
+            found["mesh"] = mesh
+        if "dtype" in self.values:
+            found["dtype"] = dtype_ids.get(self.values["dtype"], "")
+        if "layouts" in self.params:
+            found["layouts"] = self.params["layouts"].id
+        return {k: v for k, v in found.items() if v is not None}
+
+    def expected(self) -> ExpectedFailure | None:
+        """Why it is expected to fail, if it is (whether or not the family can run it)."""
+        return expected_failure(self.check, self.family, self.values, self.id)
+
+    def golden(self, root: Path) -> Path | None:
+        """Where its golden lives, ``<root>/<family>/<check>/<case>.json``, if it has one."""
+        if not self.check.golden:
+            return None
+        case = self.id.removeprefix(f"{self.family.name}-")
+        return root / self.family.name / self.check.name / f"{case}.json"
+
+    def group(self, primary: MeshSpec) -> Group:
+        """Its group of tests sharing programs: family, layout and device mesh.
+
+        A test without a layout joins the family's preferred one, a test without a
+        device mesh the primary mesh.
+        """
+        scan = self.values.get("scan_layers")
+        if scan is None:
+            scan = self.family.capabilities.preferred_scan_layers
+        mesh = self.values.get("mesh")
+        if not isinstance(mesh, MeshSpec):
+            mesh = primary
+        return (self.family.name, bool(scan), mesh.id)
+
+
+def _axis_values(name: str, family: Family, run: Settings, method: str | None) -> list[Any]:
+    """``(id, value)`` of each value of axis ``name`` for ``family``."""
+    match name:
+        case "family":
+            return [(family.name, family)]
+        case "size":
+            return [(s, s) for s in family.sizes]
+        case "full_size":
+            return [(s, s) for s in family.sizes[1:]]
+        case "mesh":
+            return [(m.id, m) for m in run.meshes]
+        case "topology":
+            return [(m.id, m) for m in run.topologies]
+        case "scan_layers":
+            return list(LAYOUTS.items())
+        case "dtype":
+            return list(DTYPES.items())
+        case _:
+            modes = [
+                m
+                for m in sorted(family.capabilities.quantization)
+                if method is None or MODES[m].method == method
+            ]
+            return [(m, m) for m in modes] or [("none", None)]
+
+
+def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
+    """Every test of ``check`` on ``family``: the product of its axes and parameters."""
+    axes = [_axis_values(name, family, run, check.quant_method) for name in check.axes]
+    params = [[(name, p) for p in values] for name, values in check.params]
+    planned = []
+    for combo in itertools.product(*axes, *params):
+        chosen, own = combo[: len(axes)], combo[len(axes) :]
+        ids = [i for i, _ in chosen] + [p.id for _, p in own]
+        values = {name: value for name, (_, value) in zip(check.axes, chosen, strict=True)}
+        planned.append(Planned(check, family, "-".join(ids), values, dict(own)))
+    return planned
+
+
+def _layout_missing(family: Family, scan: bool) -> str | None:
+    if scan in family.capabilities.scan_layers:
+        return None
+    layout = "scan_layers" if scan else "a layer list"
+    return f"{family.name} does not support {layout} (Capabilities.scan_layers)"
+
+
+def skip_reason(planned: Planned) -> str | None:
+    """Why the family cannot run this test, in one line; ``None`` if it can.
+
+    In order: the family is unavailable here, lacks a layer layout the test runs in or
+    needs, declares no quantization mode of the check's method, lacks a capability (with
+    its ``unsupported`` reason), or the check's own requirement says why not.
+    """
+    family, check = planned.family, planned.check
+    if (reason := family.unavailable()) is not None:
+        return f"{family.name}: {reason}"
+    scan = planned.values.get("scan_layers")
+    if scan is not None and (reason := _layout_missing(family, scan)):
+        return reason
+    if "quant" in planned.values and planned.values["quant"] is None:
+        method = f"{check.quant_method} " if check.quant_method else ""
+        declared = ", ".join(sorted(family.capabilities.quantization))
+        reason = f"{family.name} declares no {method}quantization mode"
+        return reason + (f" (it declares {declared})" if declared else "")
+    params = planned.params.values()
+    for layout in (*[s for p in params for s in p.layouts], *check.layouts):
+        if (reason := _layout_missing(family, layout)) is not None:
+            return reason
+    wanted = [p.capability for p in params if p.capability] + [check.capability] * bool(
+        check.capability
+    )
+    missing = [name for name in wanted if not getattr(family.capabilities, name)]
+    if missing:
+        declared = ", ".join(f"{name}=True" for name in missing)
+        why = "; ".join(family.unsupported[n] for n in missing if n in family.unsupported)
+        reason = f"{family.name} does not declare Capabilities({declared})"
+        return f"{reason}: {why}" if why else reason
+    if check.requires is not None:
+        return check.requires(family)
+    return None
+
+
+def marks(planned: Planned) -> list[pytest.MarkDecorator]:
+    """Its marks: ``golden`` if it has one, and a skip or a strict xfail.
+
+    The skip says :func:`skip_reason`; without one, a test expected to fail
+    (:meth:`Planned.expected`) is a strict xfail.
+    """
+    found = [pytest.mark.golden] if planned.check.golden else []
+    if (reason := skip_reason(planned)) is not None:
+        return [*found, pytest.mark.skip(reason=reason)]
+    if (expected := planned.expected()) is not None:
+        found.append(pytest.mark.xfail(reason=expected.reason, raises=expected.raises, strict=True))
+    return found
+
+
+def user_check(definition: pytest.Function, fixtures: Any) -> Check:
+    """The :class:`Check` a user's own test describes: the axes it asks for and its marks.
+
+    The markers ``golden``, ``capability(name)``, ``layouts(*scan_layers)`` and
+    ``quant_method(name)`` say what the registry says of a registered check.
+    """
+    capabilities = [m.args[0] for m in definition.iter_markers("capability")]
+    methods = [m.args[0] for m in definition.iter_markers("quant_method")]
+    return Check(
+        name=check_name(definition),
+        run=None,
+        axes=tuple(a for a in AXES if a in fixtures),
+        capability=capabilities[0] if capabilities else None,
+        layouts=tuple(s for m in definition.iter_markers("layouts") for s in m.args),
+        quant_method=methods[0] if methods else None,
+        golden=definition.get_closest_marker("golden") is not None,
+    )
+
+
+def check_name(item: Any) -> str:
+    """The check a test implements: its function's name without ``test_``."""
+    return item.originalname.removeprefix("test_") if isinstance(item, pytest.Function) else ""
+
+
+def planned_of(item: pytest.Item | None) -> Planned | None:
+    """The :class:`Planned` test ``item`` runs; ``None`` for a test the plugin did not plan."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    if isinstance(found := callspec.params.get(CASE), Planned):
+        return found
+    family = callspec.params.get("family")
+    if not isinstance(family, Family):
+        return None
+    check = user_check(item, callspec.params)
+    values = {a: callspec.params[a] for a in check.axes}
+    return Planned(check, family, callspec.id, values, {})
+
+
+def group_of(item: pytest.Item | None) -> Group | None:
+    """The group of a planned test; ``None`` for anything else."""
+    planned = planned_of(item)
+    if planned is None:
+        return None
+    return planned.group(settings(item.config).primary)

@@ -1,0 +1,62 @@
+"""How long compiled programs live in a run: one scope per group of tests, released between.
+
+Tests of one group (same family, layer layout and mesh) run together and share runners,
+trainers and their executables through the active :class:`~conformance.core.scope.Scope`;
+when the group changes, the scope is released, so a run's memory mappings and RSS stay
+bounded by one group's programs however many families, meshes and layouts it covers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conformance.core import scope
+from conformance.pytest_plugin.plan import group_of
+
+
+class ScopePerGroup:
+    """Releases compiled programs when the next test belongs to another group, or sooner.
+
+    A group whose programs alone pass half of the kernel's mapping limit
+    (``vm.max_map_count``) is released early, between two of its tests: its later tests
+    recompile what they share, and the run does not crash. Host results
+    (:func:`~conformance.core.scope.kept`, such as one-device references) stay while the
+    family and layout stay, so each is computed once per family and layout.
+    """
+
+    def __init__(self) -> None:
+        limit = scope.mapping_limit()
+        self.budget = None if limit is None else limit // 2
+        self.releases = 0
+        self.early = 0
+        self.peak = 0
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+        """After a test's teardown, release the scope at a group boundary or over budget."""
+        try:
+            return (yield)
+        finally:
+            group = group_of(item)
+            mappings = scope.mapping_count() or 0
+            self.peak = max(self.peak, mappings)
+            following = group_of(nextitem)
+            if group is not None and group != following:
+                self.releases += 1
+                same_layout = following is not None and following[:2] == group[:2]
+                scope.release(keep_results=same_layout)
+            elif self.budget is not None and mappings > self.budget:
+                self.early += 1
+                scope.release(keep_results=True)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """How often programs were released and the peak memory-mapping count seen."""
+        if self.releases or self.early:
+            limit = scope.mapping_limit()
+            terminalreporter.write_line(
+                f"compiled programs released {self.releases} time(s) between test groups and "
+                f"{self.early} time(s) early; peak memory mappings {self.peak} "
+                f"(limit {limit})"
+            )

@@ -1,0 +1,150 @@
+"""A conformance run's settings, and setting the run up once the plugin knows it is one.
+
+:func:`configure` runs from ``pytest_configure`` of a conformance run only: it prepares
+the devices (before any backend starts), joins a multi-controller run when asked,
+chooses the families, meshes and tier, and registers the plugin's working parts. The
+settings are one value (:class:`Settings`) kept on the config; the other modules read
+them with :func:`settings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import pytest
+
+from conformance import contract
+from conformance.contract import Family
+from conformance.core import distributed
+from conformance.core.environment import configure_host_platform, set_xla_opt
+from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
+from conformance.pytest_plugin import options
+from conformance.pytest_plugin.tiers import Tier
+
+DTYPES = {"f32": jax.numpy.float32, "bf16": jax.numpy.bfloat16}
+LAYOUTS = {"loop": False, "scan": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a conformance run covers, decided once from its options."""
+
+    families: tuple[Family, ...]
+    meshes: tuple[MeshSpec, ...]
+    """The configured device meshes (``--mesh``, or the defaults)."""
+    topologies: tuple[MeshSpec, ...]
+    tier: Tier
+    xla_opt: str
+    goldens: Path
+    """The goldens directory."""
+
+    @property
+    def run_meshes(self) -> list[MeshSpec]:
+        """The device meshes the tier keeps, the primary one first."""
+        return self.tier.mesh_order(self.meshes) or list(self.meshes)
+
+    @property
+    def primary(self) -> MeshSpec:
+        """The mesh checks that need only one mesh run on."""
+        return self.run_meshes[0]
+
+    def header(self) -> list[str]:
+        """Two lines saying what the run covers: tier, meshes, families, devices."""
+        tier = self.tier
+        kept = [
+            f"meshes {', '.join(m.id for m in self.run_meshes)}",
+            "one layer layout per family" if tier.one_layout else "every layer layout",
+            "dtypes " + ", ".join(tier.dtypes or DTYPES),
+            "one quantization mode per method" if tier.one_mode_per_method else "every mode",
+            "expected failures run" if tier.expected_failures else "expected failures left out",
+        ]
+        families = ", ".join(f.name for f in self.families) or "none"
+        return [
+            f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
+            f"conformance: families {families}; XLA optimisation {self.xla_opt}; "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
+        ]
+
+
+_SETTINGS = pytest.StashKey[Settings]()
+
+
+def settings(config: pytest.Config) -> Settings:
+    """The run's :class:`Settings` (only in a conformance run)."""
+    return config.stash[_SETTINGS]
+
+
+def _cluster(config: pytest.Config) -> distributed.Cluster | None:
+    """The multi-controller run the options ask this process to join, if any."""
+    coordinator = options.value(config, "coordinator")
+    if coordinator is None and not options.value(config, "distributed"):
+        return None
+    return distributed.Cluster(
+        coordinator,
+        options.value(config, "num-processes"),
+        options.value(config, "process-id"),
+        options.value(config, "connect-timeout"),
+    )
+
+
+def configure(config: pytest.Config, tier: Tier) -> None:
+    """Set up a conformance run: devices, processes, settings, and the working plugins.
+
+    A bad family, mesh or cluster is a usage error naming the valid values.
+    """
+    configure_host_platform()
+    cluster = _cluster(config)
+    if cluster is not None:
+        try:
+            distributed.initialize(cluster)
+        except distributed.DistributedError as err:
+            raise pytest.UsageError(str(err)) from None
+    xla_opt = options.value(config, "xla-opt")
+    set_xla_opt(xla_opt)
+    meshes = options.value(config, "mesh")
+    try:
+        builtin = bool(config.getini("conformance_builtin_families"))
+        families = contract.select(options.value(config, "family"), include_builtin=builtin)
+        configured = [parse_mesh(s) for s in meshes or options.DEFAULT_MESHES]
+        topologies = options.value(config, "topology") or options.DEFAULT_TOPOLOGIES
+        topology = [parse_mesh(s) for s in topologies]
+    except (contract.FamilyError, MeshSpecError) as err:
+        raise pytest.UsageError(str(err)) from None
+    if meshes:
+        tier = dataclasses.replace(tier, meshes=None)
+    goldens = config.rootpath / config.getini("conformance_goldens")
+    run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens)
+    config.stash[_SETTINGS] = run
+    _register(config, run)
+
+
+def _register(config: pytest.Config, run: Settings) -> None:
+    """Register the plugin's working parts for this run."""
+    from conformance.pytest_plugin import suite
+    from conformance.pytest_plugin.matrix import SessionReport
+    from conformance.pytest_plugin.multicontroller import MultiController
+    from conformance.pytest_plugin.progress import CompileClock, Progress
+    from conformance.pytest_plugin.scopes import ScopePerGroup
+
+    manager = config.pluginmanager
+    if distributed.is_multiprocess():
+        manager.register(MultiController(), "conformance-processes")
+    manager.register(suite, "conformance-suite")
+    manager.register(SessionReport(config), "conformance-report")
+    manager.register(ScopePerGroup(), "conformance-scopes")
+    manager.register(CompileClock(), "conformance-compiles")
+    if (directory := options.value(config, "report")) is not None:
+        from conformance.report.collector import ReportCollector
+        from conformance.report.model import header
+
+        meshes = [m.id for m in run.run_meshes]
+        head = header(run.tier.name, meshes, run.xla_opt, [f.name for f in run.families])
+        command = [str(config.invocation_params.dir), *config.invocation_params.args]
+        writes = distributed.is_leader()
+        collector = ReportCollector(Path(directory).resolve(), head, command, writes=writes)
+        manager.register(collector, "conformance-report-files")
+    if options.value(config, "progress"):
+        lines = run.header() if config.option.verbose < 0 else []
+        manager.register(Progress(lines, suite.progress_label), "conformance-progress")

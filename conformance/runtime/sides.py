@@ -1,0 +1,220 @@
+"""Sides: the implementations of a case that the checks compare, as values.
+
+A :class:`Side` is one implementation of a :class:`~conformance.runtime.case.Case`'s
+model on the case's mesh: it builds the model, places and initialises its parameters,
+runs its forward, its train steps and its decoding. :class:`LinenSide` and
+:class:`NnxSide` are the two live backends; the one-device reference of either is the
+same side on the one-device case (:meth:`Side.reference`). A new kind of side (numbers
+recorded from an earlier run) is a new subclass, never a branch in a check.
+
+A side's trees are flat ``{path: array}`` dicts in its own paths. :meth:`Side.canonical`
+renames them to the canonical paths (the NNX ones) that comparisons are keyed by, and
+:meth:`Side.receive` takes another side's parameters into its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+from jax.sharding import NamedSharding
+
+from conformance.core.failure import fail
+from conformance.core.sharding import Logical
+from conformance.core.trees import (
+    Flat,
+    PathMapError,
+    map_paths,
+    map_state_paths,
+)
+from conformance.runtime.aqt import LinenAqt, NnxAqt, linen_aqt, nnx_aqt
+from conformance.runtime.backends import (
+    LinenRunner,
+    NnxRunner,
+    TransplantError,
+    linen_runner,
+    nnx_runner,
+    transplant,
+)
+from conformance.runtime.case import Case
+from conformance.runtime.decoding import LinenDecoder, NnxDecoder, linen_decoder, nnx_decoder
+from conformance.runtime.training import LinenTrainer, NnxTrainer, linen_trainer, nnx_trainer
+
+Runner = LinenRunner | NnxRunner
+Trainer = LinenTrainer | NnxTrainer
+Decoder = LinenDecoder | NnxDecoder
+Aqt = LinenAqt | NnxAqt
+
+
+@dataclasses.dataclass(frozen=True)
+class Side(abc.ABC):
+    """One implementation of ``case``'s model, on ``case``'s mesh."""
+
+    case: Case
+    name: ClassVar[str]
+    """How reports name the side (``Linen``, ``NNX``)."""
+    backend: ClassVar[str]
+    """The backend's id in checkpoints and test ids (``linen``, ``nnx``)."""
+
+    @property
+    @abc.abstractmethod
+    def runner(self) -> Runner:
+        """The model: abstract layout, sharded init and jitted forward (in the case's mode)."""
+
+    @abc.abstractmethod
+    def trainer(self, micro_batches: int = 1, vocab_tiles: int = 1) -> Trainer:
+        """The train state and jitted step, accumulating or tiling as asked."""
+
+    @abc.abstractmethod
+    def decoder(self, rows: int) -> Decoder:
+        """The model served through its KV cache, for ``rows`` prompts."""
+
+    @abc.abstractmethod
+    def aqt(self) -> Aqt:
+        """The model in AQT convert and serve modes."""
+
+    @abc.abstractmethod
+    def param_paths(self) -> dict[str, str]:
+        """``{own parameter path: canonical path}``, checked to be one-to-one."""
+
+    def reference(self) -> Side:
+        """The same side on the one-device counterpart of the case's mesh."""
+        return self.on(self.case.on_one_device())
+
+    def on(self, case: Case) -> Side:
+        """The same kind of side for another case."""
+        return dataclasses.replace(self, case=case)
+
+    def unquantized(self) -> Side:
+        """The same side of the float case (the case without its quantization mode)."""
+        return self.on(self.case.quantized(None))
+
+    def canonical(self, flat: Flat) -> Flat:
+        """``flat`` keyed by canonical paths: parameters, and state leaves mirroring them."""
+        mapping = map_state_paths(self.param_paths(), flat)
+        return {mapping[path]: value for path, value in flat.items()}
+
+    def own(self, flat: Flat) -> Flat:
+        """``flat``, keyed by canonical paths, in this side's own paths."""
+        mapping = map_state_paths({v: k for k, v in self.param_paths().items()}, flat)
+        return {mapping[path]: value for path, value in flat.items()}
+
+    def shardings(self, logical: dict[str, Logical] | None = None) -> dict[str, NamedSharding]:
+        """Shardings on the case's devices for ``logical`` (default: the parameters')."""
+        return self.case.shardings(self.runner.logical if logical is None else logical)
+
+    def init(self, seed: int = 0) -> Flat:
+        """Parameters initialised from ``seed``, created directly on the devices."""
+        return self.runner.init(seed, self.shardings())
+
+    def place(self, params: Flat) -> Flat:
+        """``params`` (own paths) checked against the layout and placed on the devices."""
+        try:
+            return transplant(params, {}, self.runner.specs, self.shardings())
+        except TransplantError as err:
+            fail(f"{self.name}: {err}")
+
+    def receive(self, params: Flat, source: Side) -> Flat:
+        """``source``'s parameters in this side's paths, checked and placed on the devices.
+
+        Every leaf must arrive, of the same shape and dtype (see
+        :func:`~conformance.runtime.backends.transplant`); otherwise the check fails.
+        """
+        moved = self.own(source.canonical(params))
+        try:
+            return transplant(moved, {}, self.runner.specs, self.shardings())
+        except TransplantError as err:
+            fail(f"{source.name} -> {self.name}: {err}")
+
+    def forward(self, params: Flat, batch: Any) -> tuple[Any, Any]:
+        """Logits and sown per-block hidden states of ``batch`` from ``params``."""
+        return self.runner.forward(params, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinenSide(Side):
+    """The Flax Linen implementation: ``Family.linen_module``."""
+
+    name: ClassVar[str] = "Linen"
+    backend: ClassVar[str] = "linen"
+
+    @property
+    def runner(self) -> LinenRunner:
+        """The Linen runner of the case's bound config and mode."""
+        case = self.case
+        return linen_runner(case.family, case.bound, case.quant)
+
+    def trainer(self, micro_batches: int = 1, vocab_tiles: int = 1) -> LinenTrainer:
+        """The Linen trainer of the case's bound config and mode."""
+        case = self.case
+        return linen_trainer(case.family, case.bound, micro_batches, case.quant, vocab_tiles)
+
+    def decoder(self, rows: int) -> LinenDecoder:
+        """The Linen model served through its ``cache`` collection."""
+        return linen_decoder(self.case.family, self.case.bound, rows)
+
+    def aqt(self) -> LinenAqt:
+        """The Linen model in AQT convert and serve modes."""
+        return linen_aqt(self.case.family, self.case.bound)
+
+    def param_paths(self) -> dict[str, str]:
+        """The family's path rules applied to every Linen parameter.
+
+        FP8-style values beside the parameters (the ``_overwrite_with_gradient``
+        collection) map by the same rules. Two leaves mapped to one path fail the check.
+        """
+        case, runner = self.case, self.runner
+        rules = case.family.path_rules(case.bound)
+        try:
+            return map_paths(rules, runner.specs) | map_paths(rules, runner.overwrite)
+        except PathMapError as err:
+            fail(str(err))
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxSide(Side):
+    """The Flax NNX implementation: ``Family.nnx_module``; its paths are the canonical ones."""
+
+    name: ClassVar[str] = "NNX"
+    backend: ClassVar[str] = "nnx"
+
+    @property
+    def runner(self) -> NnxRunner:
+        """The NNX runner of the case's bound config and mode."""
+        case = self.case
+        return nnx_runner(case.family, case.bound, case.quant)
+
+    def trainer(self, micro_batches: int = 1, vocab_tiles: int = 1) -> NnxTrainer:
+        """The NNX trainer of the case's bound config and mode."""
+        case = self.case
+        return nnx_trainer(case.family, case.bound, micro_batches, case.quant, vocab_tiles)
+
+    def decoder(self, rows: int) -> NnxDecoder:
+        """The NNX model served through ``nnx.Cache`` variables."""
+        return nnx_decoder(self.case.family, self.case.bound, rows)
+
+    def aqt(self) -> NnxAqt:
+        """The NNX model in AQT convert and serve modes."""
+        return nnx_aqt(self.case.family, self.case.bound)
+
+    def param_paths(self) -> dict[str, str]:
+        """Identity: NNX paths are canonical."""
+        return {path: path for path in self.runner.specs}
+
+    def canonical(self, flat: Flat) -> Flat:
+        """``flat`` unchanged: NNX paths are canonical."""
+        return dict(flat)
+
+    def own(self, flat: Flat) -> Flat:
+        """``flat`` unchanged: NNX paths are canonical."""
+        return dict(flat)
+
+
+SIDES: dict[str, type[Side]] = {side.backend: side for side in (LinenSide, NnxSide)}
+"""The live backends' sides, by backend id."""
+
+
+def live_pair(case: Case) -> tuple[Side, Side]:
+    """``(Linen, NNX)`` of ``case``: the pair every cross-backend check compares."""
+    return LinenSide(case), NnxSide(case)

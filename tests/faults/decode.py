@@ -1,0 +1,94 @@
+"""Faults in serving: the KV cache and the decode loop."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from conformance.runtime.decoding import decode_positions
+from conformance_models import nnx_layers
+from tests.faults.fault import Fault, Gpt3, Llama
+
+_serve_call = nnx_layers.KVCache.__call__
+_init_cache = nnx_layers.KVCache.init
+
+
+def _never_writes_cache(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` that attends with the new keys but never stores them."""
+    if mode == "forward":
+        return _serve_call(self, k, v, segment_ids, mode)
+    before = self.key[...], self.value[...]
+    out = _serve_call(self, k, v, segment_ids, mode)
+    self.key[...], self.value[...] = before
+    return out
+
+
+def _index_off_by_one(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` whose prefill leaves the index one past each prompt's end."""
+    out = _serve_call(self, k, v, segment_ids, mode)
+    if mode == "prefill":
+        self.index[...] = self.index[...] + 1
+    return out
+
+
+def _prefill_without_causal_mask(self, k, v, segment_ids, mode):
+    """NNX ``KVCache`` whose prefill lets every prompt token see the whole prompt."""
+    keys, values, mask = _serve_call(self, k, v, segment_ids, mode)
+    if mode == "prefill":
+        real = segment_ids != 0
+        mask = real[:, None, :, None] & real[:, None, None, :]
+    return keys, values, mask
+
+
+def _bfloat16_cache(self, batch_size, stacked=None):
+    """NNX ``KVCache.init`` that stores keys in bfloat16 under a float32 config."""
+    _init_cache(self, batch_size, stacked)
+    self.key = self.key.replace(self.key[...].astype(jnp.bfloat16))
+
+
+def positions_not_advanced(lengths, step):
+    """The serving loop's positions, stuck at the first decode step's."""
+    del step
+    return decode_positions(lengths, 0)
+
+
+FAULTS = (
+    Fault(
+        Llama(),
+        "decode",
+        (
+            "decode step 0 of 8",
+            "logits:",
+            "the caches first differ after prefill",
+            "layers/0/attn/kv_cache/key:",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
+        model_patch=(nnx_layers.KVCache, "__call__", _never_writes_cache),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("NNX decode step 0 of 8", "vs the full forward", "logits:"),
+        model_patch=(nnx_layers.KVCache, "__call__", _index_off_by_one),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("NNX prefill vs the full-sequence forward", "logits:"),
+        model_patch=(nnx_layers.KVCache, "__call__", _prefill_without_causal_mask),
+    ),
+    Fault(
+        Llama(),
+        "decode_consistency",
+        ("Linen decode step 1 of 8", "vs the full forward", "logits:"),
+        seams={"decode_positions": positions_not_advanced},
+    ),
+    Fault(
+        Gpt3(),
+        "decode_cache",
+        (
+            "layers/0/attn/kv_cache/key: Linen float32[8, 32, 4, 16]",
+            "!= NNX bfloat16[8, 32, 4, 16]",
+        ),
+        model_patch=(nnx_layers.KVCache, "init", _bfloat16_cache),
+    ),
+)

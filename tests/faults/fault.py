@@ -1,0 +1,80 @@
+"""What a planted fault is: a faulty family or seam, the check that must catch it, the words.
+
+A fault is planted in one of three places, each public:
+
+* a family (a built-in family with one method overridden, so it breaks exactly one
+  thing on one backend);
+* a seam of the harness (:mod:`conformance.core.seams`: a step of the runtime replaced
+  for the check's duration);
+* a built-in model's own code (a method of one of its layer classes replaced), for
+  faults that must reach every instance of a shared layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from flax import nnx
+
+from conformance.families import Family
+from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.llama.family import LlamaFamily
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A faulty family, the check that must catch it, and what its report must say.
+
+    With ``seams`` or ``model_patch`` the fault is planted outside the family, around
+    the check; the family is then a fresh unchanged instance, so no cached runner,
+    trainer or decoder outlives the fault.
+    """
+
+    family: Family
+    check: str
+    expect: tuple[str, ...]
+    size: str = "tiny"
+    seams: Mapping[str, Callable[..., Any]] = MappingProxyType({})
+    """Seams replaced while the check runs (:func:`conformance.core.seams.planted`)."""
+    model_patch: tuple[Any, str, Any] | None = None
+    """``(class, method name, replacement)`` in a built-in model's own code."""
+    params: Mapping[str, Any] = MappingProxyType({})
+    """The check's own parameters (``backend``, ``source``, ``layouts``, ``variant``)."""
+    quant: str | None = None
+    mesh_axes: tuple[str, ...] = ()
+    """Mesh axes the fault needs at size 2 or more to show (a partitioning fault)."""
+    scenario: Callable[..., None] | None = None
+    """Run instead of the check: ``scenario(fault, workdir)`` (a fault in what a check is
+    handed, such as another model's checkpoint, rather than in the family)."""
+
+    @property
+    def id(self) -> str:
+        """Test id: the fault's class name, or the check and what was replaced."""
+        if self.seams:
+            planted = ",".join(f"{k}={v.__name__.lstrip('_')}" for k, v in self.seams.items())
+            return f"{self.check}:{planted}"
+        if self.model_patch is not None:
+            owner, name, replacement = self.model_patch
+            where = owner.__name__.rsplit(".", 1)[-1]
+            return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}"
+        return type(self.family).__name__
+
+
+class NnxConfigFault:
+    """Build the NNX side from a config with some fields changed (Linen keeps the original)."""
+
+    changes: ClassVar[dict[str, Any]] = {}
+
+    def nnx_module(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+        return super().nnx_module(dataclasses.replace(config, **self.changes), rngs)
+
+
+class Llama(LlamaFamily):
+    """An unchanged llama, for faults planted in a seam or the model's code instead."""
+
+
+class Gpt3(Gpt3Family):
+    """An unchanged gpt3, for faults planted in a seam or the model's code instead."""

@@ -1,0 +1,81 @@
+"""Faults in what the forward computes, each named at its first divergent module."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+
+from conformance_models.llama.family import LlamaFamily
+from tests.contract.toyzoo.families import ToyMinimal
+from tests.faults.fault import Fault, NnxConfigFault
+
+
+class NormEpsilon(NnxConfigFault, LlamaFamily):
+    """NNX RMSNorm epsilon is 1e-5 instead of 1e-6."""
+
+    changes: ClassVar[dict[str, Any]] = {"norm_eps": 1e-5}
+
+
+class RopeBase(NnxConfigFault, LlamaFamily):
+    """NNX RoPE base is 20000 instead of 10000."""
+
+    changes: ClassVar[dict[str, Any]] = {"rope_base": 20_000.0}
+
+
+class SilentBfloat16(LlamaFamily):
+    """NNX block 1's MLP output projection computes in bfloat16 under a float32 config."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[1].mlp.down.dtype = jnp.bfloat16
+        return model
+
+
+class ToyNormEpsilon(ToyMinimal):
+    """A third-party family that sows nothing: NNX block 1's LayerNorm epsilon is 1e-2."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.blocks[1].norm.epsilon = 1e-2
+        return model
+
+
+class NanOnOneSide(NnxConfigFault, LlamaFamily):
+    """NNX RMSNorm epsilon is negative: rsqrt of a negative number gives NaN on NNX only."""
+
+    changes: ClassVar[dict[str, Any]] = {"norm_eps": -1.0}
+
+
+FAULTS = (
+    Fault(
+        NormEpsilon(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: layers_0/attn_norm (NNX layers/0/attn_norm)",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
+    ),
+    Fault(
+        RopeBase(),
+        "forward",
+        ("logits:", "first divergent module: layers_0/attn (NNX layers/0/attn), __call__"),
+    ),
+    Fault(
+        SilentBfloat16(),
+        "forward",
+        ("logits:", "first divergent module: layers_1/mlp/down (NNX layers/1/mlp/down)"),
+    ),
+    Fault(
+        ToyNormEpsilon(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: block_1/norm (NNX blocks/1/norm), __call__: "
+            "its inputs agree and its output does not",
+        ),
+        size="small",
+    ),
+    Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),
+)
