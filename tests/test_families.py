@@ -1,13 +1,16 @@
-"""The Family contract: selection by glob, availability, known divergences."""
+"""The Family contract: selection by glob, availability, known divergences, validation."""
 
+import dataclasses
 import importlib.metadata
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
 from conformance import families
 from conformance.checks import registry
+from conformance.contract import discovery, validate
 from conformance.core.failure import CheckFailure
+from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext.family import MAXTEXT_VERSION, MaxTextFamily
 
@@ -93,3 +96,66 @@ def test_a_known_library_failure_must_fail_as_a_check_failure():
     assert found is not None
     assert "qwix 0.1.8" in found.reason
     assert found.raises is CheckFailure
+
+
+class NoAqtHook(Gpt3Family):
+    name = "no-aqt-hook"
+    aqt_config = Family.aqt_config
+
+
+class NoStackRules(Gpt3Family):
+    name = "no-stack-rules"
+    layer_stack_rules = Family.layer_stack_rules
+
+
+class UnhashableConfig(Gpt3Family):
+    name = "unhashable-config"
+
+    def config(self, size, *, scan_layers, dtype=None):
+        return {"size": size, "scan_layers": scan_layers}
+
+
+class UnknownMode(Gpt3Family):
+    name = "unknown-mode"
+    capabilities = dataclasses.replace(
+        Gpt3Family.capabilities, quantization=frozenset({"qat_int4"})
+    )
+
+
+@pytest.mark.parametrize(
+    ("faulty", "message"),
+    [
+        (
+            NoAqtHook(),
+            "family 'no-aqt-hook' declares Capabilities(aqt=True) but does not define "
+            "aqt_config(config, mode)",
+        ),
+        (
+            NoStackRules(),
+            "family 'no-stack-rules' declares Capabilities(scan_layers=(False, True)) but does "
+            "not define layer_stack_rules(config)",
+        ),
+        (
+            UnhashableConfig(),
+            "family 'unhashable-config': config('tiny', scan_layers=False) is not hashable",
+        ),
+        (UnknownMode(), "family 'unknown-mode' declares quantization modes ['qat_int4']"),
+    ],
+    ids=["capability-without-hook", "layouts-without-stack-rules", "unhashable", "unknown-mode"],
+)
+def test_a_family_that_contradicts_itself_is_refused_in_one_line(faulty, message):
+    with pytest.raises(families.FamilyError) as refused:
+        validate(faulty)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_registry_validates_a_family_when_it_loads_it():
+    entry = SimpleNamespace(name="no-aqt-hook", value="zoo:NoAqtHook", load=lambda: NoAqtHook)
+    with pytest.raises(families.FamilyError, match="does not define aqt_config"):
+        discovery._load(entry)
+
+
+def test_every_registered_family_is_valid():
+    for family in families.registry().values():
+        assert validate(family) is family

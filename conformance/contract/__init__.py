@@ -21,6 +21,7 @@ from conformance.contract.family import (
     PathRules,
     QuantScope,
 )
+from conformance.contract.validate import problems, validate
 
 __all__ = [
     "DISTRIBUTION",
@@ -35,6 +36,8 @@ __all__ = [
     "QuantScope",
     "builtin",
     "get",
+    "problems",
     "registry",
     "select",
+    "validate",
 ]

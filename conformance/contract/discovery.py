@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from conformance.contract.family import Family, FamilyError
+from conformance.contract.validate import validate
 
 ENTRY_POINT_GROUP = "conformance.families"
 
@@ -32,7 +33,7 @@ def _load(entry_point: Any) -> Family:
             f"entry point {entry_point.name!r} = {entry_point.value!r} registers a family "
             f"named {family.name!r}; the two names must agree"
         )
-    return family
+    return validate(family)
 
 
 DISTRIBUTION = "linen-nnx-conformance"

@@ -1,0 +1,73 @@
+"""A family checked when it is loaded: every declaration it makes comes with its hook.
+
+A capability declared without the hook that serves it would otherwise fail only when
+its test runs, deep in a check. :func:`problems` lists what is wrong with a family, one
+line each naming the family, the declaration and the hook; the registry refuses a
+family with any (:func:`validate`).
+"""
+
+from __future__ import annotations
+
+from conformance.contract.family import QUANTIZATION_MODES, Family, FamilyError
+
+HOOKS: dict[str, str] = {
+    "remat": "variant(config, *, remat, dropout)",
+    "dropout": "variant(config, *, remat, dropout)",
+    "aqt": "aqt_config(config, mode)",
+    "fp8": "fp8_config(config)",
+    "vocab_tiling": "vocab_tiling_config(config, tiles)",
+}
+"""The hook each optional capability needs, beyond the required ones."""
+
+
+def _overrides(family: Family, hook: str) -> bool:
+    name = hook.split("(")[0]
+    return getattr(type(family), name) is not getattr(Family, name)
+
+
+def problems(family: Family) -> list[str]:
+    """Everything wrong with ``family``'s declarations, one line each; empty if nothing.
+
+    A declared capability without its hook (:data:`HOOKS`), both layer layouts without
+    ``layer_stack_rules``, an unknown quantization mode, no size or layout, and (when
+    the family can run here) a config that is not hashable.
+    """
+    caps, name = family.capabilities, family.name
+    found = [
+        f"family {name!r} declares Capabilities({cap}=True) but does not define {hook}"
+        for cap, hook in HOOKS.items()
+        if getattr(caps, cap) and not _overrides(family, hook)
+    ]
+    if set(caps.scan_layers) == {False, True} and not _overrides(family, "layer_stack_rules"):
+        found.append(
+            f"family {name!r} declares Capabilities(scan_layers={caps.scan_layers}) but does "
+            "not define layer_stack_rules(config), which stacks one layout into the other"
+        )
+    if unknown := sorted(caps.quantization - set(QUANTIZATION_MODES)):
+        found.append(
+            f"family {name!r} declares quantization modes {unknown}; known modes: "
+            f"{', '.join(QUANTIZATION_MODES)}"
+        )
+    if not caps.scan_layers or not family.sizes:
+        found.append(f"family {name!r} declares no layer layout or no size")
+    elif family.unavailable() is None:
+        for scan in caps.scan_layers:
+            config = family.config(family.device_size, scan_layers=scan)
+            try:
+                hash(config)
+            except TypeError as err:
+                found.append(
+                    f"family {name!r}: config({family.device_size!r}, scan_layers={scan}) is "
+                    f"not hashable ({err}); the harness builds each side once per config: "
+                    "use a frozen dataclass"
+                )
+                break
+    return found
+
+
+def validate(family: Family) -> Family:
+    """``family`` if its declarations hold together; else :class:`FamilyError`, one line."""
+    found = problems(family)
+    if found:
+        raise FamilyError("; ".join(found))
+    return family
