@@ -18,18 +18,19 @@ import jax
 
 from conformance.checks.kernel import (
     agreed_specs,
+    compared,
     error_bound,
     forward_attribution,
     leaf_table,
     param_map,
+    round_trip,
     shared_params,
     train_step_parity,
 )
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
-from conformance.core.records import emit_verdict, failed
+from conformance.core.records import failed
 from conformance.core.trees import PathMapError, map_paths, structure_diff
-from conformance.runtime import checkpoints
 from conformance.runtime.aqt import COLLECTION, AqtError
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Aqt, live_pair
@@ -66,9 +67,8 @@ def check_aqt_forward(case: Case) -> None:
     reference = linen.on(case).forward(linen_params, batch)[0]
     linen_logits = linen.forward(linen_params, batch)[0]
     nnx_logits = nnx_.forward(nnx_params, batch)[0]
-    found = compare_arrays("logits", linen_logits, nnx_logits)
     title = f"AQT int8 TRAIN forward on mesh {case.mesh.id} (index: batch, position, vocab)"
-    emit_verdict(title, "logits", linen_logits, nnx_logits, found)
+    found = compared(title, linen_logits, nnx_logits)
     if found is not None:
         moved = forward_attribution(
             linen,
@@ -203,21 +203,8 @@ def check_aqt_serve(case: Case, workdir: Path) -> None:
         tree |= {f"{COLLECTION}/{p}": v for p, v in frozen.items()}
         layout = {f"params/{p}": s for p, s in serve.specs.items()}
         layout |= {f"{COLLECTION}/{p}": s for p, s in aqt.specs.items()}
-        info = checkpoints.CheckpointInfo(
-            case.family.name, case.family.device_size, side.backend, case.scan_layers
-        )
         directory = workdir / f"{side.backend}-aqt-serve"
-        checkpoints.save(directory, tree, info)
-        try:
-            restored = checkpoints.restore(
-                directory, layout, {p: v.sharding for p, v in tree.items()}
-            )
-        except checkpoints.CheckpointError as err:
-            fail(f"{side.name}: {err}")
-        mismatches = compare_trees(tree, restored, EXACT)
-        if mismatches:
-            title = f"{side.name} AQT serve tree after an orbax round trip"
-            fail(failed(title, mismatches, ("saved", "restored")))
+        restored = round_trip(side, tree, layout, directory, f"{side.name} AQT serve tree")
         prefix = f"{COLLECTION}/"
         served = aqt.serve(
             {p.removeprefix("params/"): v for p, v in restored.items() if p.startswith("params/")},

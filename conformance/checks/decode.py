@@ -16,11 +16,16 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
-from conformance.checks.kernel import agreed_specs, attributed, misplaced, shared_params
+from conformance.checks.kernel import (
+    agreed_specs,
+    attributed,
+    compared,
+    misplaced,
+    shared_params,
+)
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import Mismatch, compare_arrays, compare_trees, report, tolerance_for
-from conformance.core.records import emit_verdict
+from conformance.core.numerics import Mismatch, compare_trees, report, tolerance_for
 from conformance.core.scope import scoped
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
@@ -176,10 +181,9 @@ def check_decode_consistency(case: Case) -> None:
         width = gen.prefill_logits.shape[1]
         expected = _prompt_only(served.forward_logits[:, :width], gen.lengths)
         prefill = _prompt_only(gen.prefill_logits, gen.lengths)
-        found = compare_arrays("logits", expected, prefill, tol)
         plot = {"names": names, "tolerance": tol, "series": side}
         plot["figure"] = f"decode_consistency: error per stage against the forward, mesh {mesh.id}"
-        emit_verdict(f"{side} prefill", "logits", expected, prefill, found, x="prefill", **plot)
+        found = compared(f"{side} prefill", expected, prefill, x="prefill", **plot)
         if found is not None:
             title = (
                 f"{side} prefill vs the full-sequence forward on mesh {mesh.id} "
@@ -188,11 +192,8 @@ def check_decode_consistency(case: Case) -> None:
             fail(report(title, [found], names))
         for step in range(DECODE_STEPS):
             expected = _at_step(served.forward_logits, gen.lengths, step)
-            found = compare_arrays("logits", expected, gen.step_logits[step], tol)
             x = f"step {step}"
-            emit_verdict(
-                f"{side} {x}", "logits", expected, gen.step_logits[step], found, x=x, **plot
-            )
+            found = compared(f"{side} {x}", expected, gen.step_logits[step], x=x, **plot)
             if found is not None:
                 title = f"{side} {_step_title(found, gen.lengths, step)}"
                 fail(report(f"{title} vs the full forward", [found], names))
@@ -214,10 +215,9 @@ def check_decode(case: Case) -> None:
         _prompt_only(linen.prefill_logits, linen.lengths),
         _prompt_only(nnx_.prefill_logits, nnx_.lengths),
     )
-    found = compare_arrays("logits", *prefills, tol)
     plot = {"names": names, "tolerance": tol, "series": "Linen vs NNX"}
     plot["figure"] = f"decode: error per stage, mesh {mesh.id}"
-    emit_verdict("prefill", "logits", *prefills, found, x="prefill", **plot)
+    found = compared("prefill", *prefills, x="prefill", **plot)
     if found is not None:
         title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
         where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol)
@@ -226,9 +226,8 @@ def check_decode(case: Case) -> None:
     _check_tokens(linen, nnx_, 0, "prefill")
     for step in range(DECODE_STEPS):
         logits = linen.step_logits[step], nnx_.step_logits[step]
-        found = compare_arrays("logits", *logits, tol)
         x = f"step {step}"
-        emit_verdict(x, "logits", *logits, found, x=x, **plot)
+        found = compared(x, *logits, x=x, **plot)
         if found is not None:
             title = f"{_step_title(found, linen.lengths, step)} on mesh {mesh.id}"
             where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol)

@@ -18,7 +18,6 @@ from conformance.core.numerics import compare_trees, report
 from conformance.core.records import emit, listening, measure
 from conformance.core.scope import kept, scoped
 from conformance.core.trees import Flat
-from conformance.runtime.backends import TransplantError
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import noise_masked, on_host
 from conformance.runtime.sides import SIDES
@@ -26,10 +25,7 @@ from conformance.runtime.sides import SIDES
 
 def _results(case: Case, start: Flat | None) -> tuple[Flat, dict[str, Flat]]:
     """Both backends' logits and one step from ``start``: ``(start, {backend: results})``."""
-    try:
-        pair = train_pair(case, start)
-    except TransplantError as err:
-        fail(str(err))
+    pair = train_pair(case, start)
     batch = case.batch()
     start = pair[0].initial
     logits = [training.side.forward(training.params(), batch)[0] for training in pair]

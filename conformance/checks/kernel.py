@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -22,18 +23,49 @@ from jax.sharding import PartitionSpec
 from conformance.contract import LogicalRules
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import compare_trees, report
-from conformance.core.records import emit, listening, measure
+from conformance.core.numerics import (
+    EXACT,
+    Mismatch,
+    Tolerance,
+    compare_arrays,
+    compare_trees,
+    report,
+)
+from conformance.core.records import emit, emit_verdict, failed, listening, measure
 from conformance.core.sharding import Logical, indivisible, spec_to_json
 from conformance.core.trees import Flat, LeafSpec, PathMapError, check_bijection
 from conformance.runtime.backends import TransplantError, transplant
 from conformance.runtime.case import Case
+from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
 from conformance.runtime.diagnose.attribution import Pair, attribution_text
 from conformance.runtime.sides import Side, Trainer, live_pair
 from conformance.runtime.training import flat_state
 
 STEPS = 3
 """Train steps compared for parity."""
+
+
+def compared(
+    title: str,
+    first: Any,
+    second: Any,
+    *,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    tolerance: Tolerance | None = None,
+    figure: str = "",
+    series: str = "",
+    x: str = "",
+) -> Mismatch | None:
+    """Two sides' logits compared under the policy (or ``tolerance``), and measured.
+
+    The comparison every logits check makes: :func:`~conformance.core.numerics.compare_arrays`
+    of the leaf ``logits``, emitted as a measurement titled ``title`` (at ``x`` of line
+    ``series`` in plot ``figure``) for the report. Returns the mismatch, if any.
+    """
+    found = compare_arrays("logits", first, second, tolerance)
+    plot = {"figure": figure, "series": series, "x": x}
+    emit_verdict(title, "logits", first, second, found, names=names, tolerance=tolerance, **plot)
+    return found
 
 
 def param_map(first: Side, second: Side) -> dict[str, str]:
@@ -180,6 +212,28 @@ def error_bound(where: str, quantized: Any, reference: Any, bound: float) -> Non
         )
 
 
+def round_trip(
+    side: Side, tree: Flat, layout: Mapping[str, LeafSpec], directory: Path, what: str
+) -> Flat:
+    """``tree`` saved with orbax to ``directory`` and restored strictly into ``layout``.
+
+    The checkpoint records the side's case (family, size, backend, layer layout); every
+    leaf is restored with the sharding it was saved with. A refused restore fails
+    naming ``what``, and so does a leaf that does not come back exactly.
+    """
+    case = side.case
+    info = CheckpointInfo(case.family.name, case.size, side.backend, case.scan_layers)
+    save(directory, tree, info)
+    try:
+        restored = restore(directory, layout, {p: v.sharding for p, v in tree.items()})
+    except CheckpointError as err:
+        fail(f"{what}: {err}")
+    mismatches = compare_trees(tree, restored, EXACT)
+    if mismatches:
+        fail(failed(f"{what} after an orbax round trip", mismatches, ("saved", "restored")))
+    return restored
+
+
 StepResult = tuple[Flat, Any, Flat]
 """One step's ``(state, loss, grads)``, keyed by canonical paths."""
 
@@ -245,23 +299,30 @@ def train_pair(
     """Both live sides' train states on ``case``, the NNX one holding Linen's parameters.
 
     Linen's parameters are ``start`` (Linen paths) or its init from seed 0. With
-    ``micro_batches`` or ``vocab_tiles`` above 1 both accumulate or tile their loss.
-    Raises :class:`~conformance.runtime.backends.TransplantError` if the parameters do
-    not fit.
+    ``micro_batches`` or ``vocab_tiles`` above 1 both accumulate or tile their loss,
+    which must not change the parameters. Parameters that do not fit a side fail the
+    check, naming every leaf.
     """
     first, second = live_pair(case)
     param_map(first, second)
-    a = Training.start(first, start, micro_batches, vocab_tiles)
-    b = Training.start(second, second.own(first.canonical(a.initial)), micro_batches, vocab_tiles)
+    try:
+        a = Training.start(first, start, micro_batches, vocab_tiles)
+        b = Training.start(
+            second, second.own(first.canonical(a.initial)), micro_batches, vocab_tiles
+        )
+    except TransplantError as err:
+        variant = {
+            k: v
+            for k, v in (("micro_batches", micro_batches), ("vocab_tiles", vocab_tiles))
+            if v != 1
+        }
+        fail(f"the parameters change with {variant}: {err}" if variant else str(err))
     return a, b
 
 
 def train_steps(case: Case, start: Flat | None = None) -> tuple[Flat, list[tuple[StepResult, ...]]]:
     """:data:`STEPS` steps of both sides from the same parameters: ``(start, results)``."""
-    try:
-        a, b = train_pair(case, start)
-    except TransplantError as err:
-        fail(str(err))
+    a, b = train_pair(case, start)
     batch = case.batch()
     return a.initial, [(a.advance(batch), b.advance(batch)) for _ in range(STEPS)]
 

@@ -18,16 +18,18 @@ from flax import nnx
 
 from conformance.checks.kernel import (
     agreed_specs,
+    compared,
     error_bound,
     forward_attribution,
     leaf_table,
+    round_trip,
     shared_params,
     train_step_parity,
 )
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
-from conformance.core.records import emit_verdict, failed
+from conformance.core.records import failed
 from conformance.core.trees import (
     PathMapError,
     flatten_state,
@@ -35,7 +37,6 @@ from conformance.core.trees import (
     structure_diff,
     variable_kind,
 )
-from conformance.runtime import checkpoints
 from conformance.runtime.case import Case
 from conformance.runtime.quant import MODES, unused_rules
 from conformance.runtime.sides import Side, live_pair
@@ -111,9 +112,8 @@ def check_quant_forward(case: Case) -> None:
     reference = host_array(linen.unquantized().forward(linen_float, batch)[0])
     linen_logits = host_array(linen.forward(linen_q, batch)[0])
     nnx_logits = host_array(nnx_.forward(nnx_q, batch)[0])
-    found = compare_arrays("logits", linen_logits, nnx_logits)
     title = f"{quant} forward on mesh {case.mesh.id} (index: batch, position, vocab)"
-    emit_verdict(title, "logits", linen_logits, nnx_logits, found)
+    found = compared(title, linen_logits, nnx_logits)
     if found is not None:
         moved = forward_attribution(linen, nnx_, (linen_logits, nnx_logits), (linen_q, nnx_q))
         fail(report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
@@ -198,20 +198,8 @@ def check_quant_checkpoint(case: Case, workdir: Path) -> None:
     for side in (linen, nnx_):
         runner = side.runner
         params = side.init(0)
-        info = checkpoints.CheckpointInfo(
-            case.family.name, case.family.device_size, side.backend, case.scan_layers
-        )
-        directory = workdir / f"{side.backend}-{quant}"
-        checkpoints.save(directory, params, info)
-        shardings = {path: value.sharding for path, value in params.items()}
-        try:
-            restored = checkpoints.restore(directory, runner.specs, shardings)
-        except checkpoints.CheckpointError as err:
-            fail(f"{side.name} {quant}: {err}")
-        mismatches = compare_trees(params, restored, EXACT)
-        if mismatches:
-            title = f"{side.name} {quant} parameters after an orbax round trip"
-            fail(failed(title, mismatches, ("saved", "restored")))
+        what = f"{side.name} {quant} parameters"
+        restored = round_trip(side, params, runner.specs, workdir / f"{side.backend}-{quant}", what)
         found = compare_arrays(
             "logits", runner.forward(params, batch)[0], runner.forward(restored, batch)[0], EXACT
         )
