@@ -1,10 +1,11 @@
 """Linen/NNX conformance harness: check that a Flax model's two backends agree.
 
-Modules: :mod:`~conformance.families` (the Family contract and registry),
-:mod:`~conformance.core.trees` (paths and structure), :mod:`~conformance.core.sharding` (meshes and
-logical axes), :mod:`~conformance.core.numerics` (tolerances and comparison),
-:mod:`~conformance.runtime.backends` (building and running each side),
-:mod:`~conformance.checks` (the checks), :mod:`~conformance.core.goldens` (golden files),
-:mod:`~conformance.core.scope` (how long compiled programs live), :mod:`~conformance.tiers`
-(how much of the suite a run covers) and :mod:`~conformance.plugin` (the pytest plugin).
+Packages, each built only on those before it: :mod:`~conformance.contract` (the Family
+contract, discovery and validation; :mod:`~conformance.families` is its public face),
+:mod:`~conformance.core` (paths, numerics, sharding, processes, scopes, measurements,
+failures, seams), :mod:`~conformance.runtime` (cases and sides: building, placing,
+training, decoding, checkpoints, quantization; diagnosis), :mod:`~conformance.checks`
+(the comparison kernel, the checks by area and their registry),
+:mod:`~conformance.pytest_plugin` (the pytest plugin), :mod:`~conformance.report` (report
+files) and :mod:`~conformance.cli` (``python -m conformance`` and the converter).
 """

@@ -1,6 +1,6 @@
 """The pytest plugin of a multi-controller run: every process runs the same tests alike.
 
-Registered by :mod:`conformance.plugin` when the run has more than one process. It
+Registered by :mod:`conformance.pytest_plugin.session` when the run has more than one process. It
 stops the run on every process when the processes collected different tests (their
 collectives would pair up wrongly and hang), and makes each test's outcome the same on
 every process: a test fails everywhere if it failed on any process, so process 0, which

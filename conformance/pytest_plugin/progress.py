@@ -1,6 +1,6 @@
 """What a run reports as it goes: progress lines, and how much of it was compilation.
 
-Both are pytest plugins that :mod:`conformance.plugin` registers; neither knows about
+Both are pytest plugins that :mod:`conformance.pytest_plugin.session` registers; neither knows about
 families or checks beyond the label it is given for each test.
 """
 

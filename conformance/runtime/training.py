@@ -17,7 +17,7 @@ NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per str
 variables; Linen takes them per call. The NNX train state leaves them out, so both train
 states hold the same leaves: each step draws fresh streams from its step counter, as the
 Linen step folds the step into a key per stream of ``Family.train_rngs``, and a
-checkpoint holds no RNG streams on either side. :func:`conformance.checks.check_structure`
+checkpoint holds no RNG streams on either side. :func:`conformance.checks.structure.check_structure`
 lists the streams it set aside.
 """
 
