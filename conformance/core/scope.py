@@ -41,6 +41,8 @@ from typing import Any
 
 import jax
 
+from conformance.core import programs
+
 
 class Scope:
     """A memo of scoped factories' results; leaving it (or :meth:`release`) frees them all."""
@@ -81,8 +83,9 @@ class Scope:
         return memo[key]
 
     def release(self, *, keep_results: bool = False) -> None:
-        """Drop everything built in this scope and every executable jax caches.
+        """Drop everything built in this scope and every executable held for reuse.
 
+        That is jax's caches and :mod:`~conformance.core.programs`' live executables.
         jax's caches are process-wide, so programs compiled outside this scope are
         recompiled on their next call; nothing is lost but time. With ``keep_results``,
         the values of :func:`kept` factories stay.
@@ -90,6 +93,7 @@ class Scope:
         self._memo.clear()
         if not keep_results:
             self._results.clear()
+        programs.forget()
         jax.clear_caches()
         gc.collect()
 

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import pytest
 
+from conformance.core import programs
+
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """jax's event for one program made executable (compiled, or read from the cache)."""
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -61,12 +63,12 @@ class CompileClock:
         return (yield)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """One line: programs compiled, read from the cache, and the share of the run."""
+        """Programs compiled (and how many distinct), and the share of the run it took."""
         if self.count:
             wall = time.perf_counter() - self.wall
             terminalreporter.write_line(
-                f"XLA made {self.count} programs executable ({self.count - self.hits} compiled, "
-                f"{self.hits} read from the persistent cache) in {self.seconds:.1f} s "
+                f"{programs.summary()}; XLA made {self.count} executable "
+                f"({self.hits} read from the persistent cache) in {self.seconds:.1f} s "
                 f"of {wall:.1f} s wall"
             )
 

@@ -17,7 +17,7 @@ import pytest
 
 from conformance import contract
 from conformance.contract import Family
-from conformance.core import distributed
+from conformance.core import distributed, programs
 from conformance.core.environment import configure_host_platform, set_xla_opt
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
 from conformance.pytest_plugin import options
@@ -103,6 +103,7 @@ def configure(config: pytest.Config, tier: Tier) -> None:
             raise pytest.UsageError(str(err)) from None
     xla_opt = options.value(config, "xla-opt")
     set_xla_opt(xla_opt)
+    programs.install()
     meshes = options.value(config, "mesh")
     try:
         builtin = bool(config.getini("conformance_builtin_families"))

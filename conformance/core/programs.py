@@ -1,0 +1,115 @@
+"""One executable per distinct program: each computation is compiled once per scope.
+
+jax compiles a program again whenever another jit object traces it: a runner built for
+an equal config, a float and a quantized model whose initialisers are the same
+computation, the same train-state constructor of two trainers. Its persistent cache
+would deduplicate them by content, but through files it reads back and deserializes.
+:func:`install` deduplicates in memory instead: while a program's executable is live
+it is handed to every later compile of the same program (jax's own cache key: the
+program's text, its devices and compile options), until :func:`forget` drops them all,
+as :meth:`conformance.core.scope.Scope.release` does. Nothing is ever read back.
+
+jax has no public hook for this: :func:`install` wraps the function jax 0.12 compiles
+every program through (``jax._src.compiler.compile_or_get_cached``), after checking its
+signature, and says so in :func:`summary`. Programs with host callbacks are not shared
+(their callbacks are bound when they are compiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+_PARAMETERS = (
+    "backend",
+    "computation",
+    "devices",
+    "compile_options",
+    "host_callbacks",
+    "executable_devices",
+    "pgle_profiler",
+)
+"""The signature of jax's compile entry point this module wraps (jax 0.12)."""
+
+
+@dataclasses.dataclass
+class Counts:
+    """What the process compiled: programs compiled, distinct programs, compiles saved."""
+
+    compiled: int = 0
+    reused: int = 0
+    distinct: set[str] = dataclasses.field(default_factory=set)
+
+
+COUNTS = Counts()
+_LIVE: dict[str, Any] = {}
+_STATE = {"installed": False, "refused": ""}
+
+
+def _key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
+    from jax._src import cache_key
+
+    return cache_key.get(computation, devices, options, backend)
+
+
+def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_reuse(
+        backend: Any,
+        computation: Any,
+        devices: Any,
+        compile_options: Any,
+        host_callbacks: Any,
+        executable_devices: Any,
+        pgle_profiler: Any = None,
+    ) -> Any:
+        args = (backend, computation, devices, compile_options, host_callbacks)
+        key = _key(backend, computation, devices, compile_options)
+        COUNTS.distinct.add(key)
+        if host_callbacks:
+            COUNTS.compiled += 1
+            return compile_fn(*args, executable_devices, pgle_profiler)
+        if (executable := _LIVE.get(key)) is not None:
+            COUNTS.reused += 1
+            return executable
+        COUNTS.compiled += 1
+        _LIVE[key] = compile_fn(*args, executable_devices, pgle_profiler)
+        return _LIVE[key]
+
+    return compile_or_reuse
+
+
+def install() -> bool:
+    """Share live executables between compiles of one program; ``True`` once installed.
+
+    Refuses (returns ``False``, :func:`summary` says why) if jax's compile entry point
+    does not have the signature this module was written for.
+    """
+    if _STATE["installed"]:
+        return True
+    from jax._src import compiler
+
+    found = tuple(inspect.signature(compiler.compile_or_get_cached).parameters)
+    if found != _PARAMETERS:
+        _STATE["refused"] = f"jax's compile_or_get_cached{found} is not the one expected"
+        return False
+    compiler.compile_or_get_cached = _deduplicating(compiler.compile_or_get_cached)
+    _STATE["installed"] = True
+    return True
+
+
+def forget() -> None:
+    """Drop every live executable this module holds; the next compile of each compiles."""
+    _LIVE.clear()
+
+
+def summary() -> str:
+    """``N programs compiled, M distinct`` (and the compiles saved), or why none were counted."""
+    if not _STATE["installed"]:
+        return f"compiles not deduplicated: {_STATE['refused'] or 'not installed'}"
+    distinct = len(COUNTS.distinct)
+    return (
+        f"{COUNTS.compiled} programs compiled, {distinct} distinct "
+        f"({COUNTS.reused} compiles of an identical live program saved)"
+    )
