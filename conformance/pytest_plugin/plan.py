@@ -80,14 +80,18 @@ class Planned:
     def group(self, primary: MeshSpec) -> Group:
         """Its group of tests sharing programs: family, layout and device mesh.
 
-        A test without a layout joins the family's preferred one, a test without a
-        device mesh the primary mesh.
+        A test joins the layout it computes in (a conversion: its source's), else the
+        family's preferred one; a test without a device mesh, or one that computes on
+        the primary mesh what it then places on its own (a checkpoint saved there,
+        restored here), the primary mesh.
         """
         scan = self.values.get("scan_layers")
+        if scan is None and "layouts" in self.params:
+            scan = self.params["layouts"].value[0]
         if scan is None:
             scan = self.family.capabilities.preferred_scan_layers
         mesh = self.values.get("mesh")
-        if not isinstance(mesh, MeshSpec):
+        if not isinstance(mesh, MeshSpec) or self.check.saved_on:
             mesh = primary
         return (self.family.name, bool(scan), mesh.id)
 

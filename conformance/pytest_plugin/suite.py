@@ -53,7 +53,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if CASE in metafunc.fixturenames:
         check = registry.get(check_name(metafunc.definition))
         planned = [p for family in run.families for p in plan(check, family, run)]
-        params = [pytest.param(p, id=p.id, marks=marks(p)) for p in planned]
+        params = [pytest.param(p, id=p.id, marks=[*marks(p), _worker(p, run)]) for p in planned]
         metafunc.parametrize(CASE, params, indirect=True)
         return
     if "family" not in metafunc.fixturenames:
@@ -62,6 +62,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     planned = [p for family in run.families for p in plan(check, family, run)]
     params = [pytest.param(*p.values.values(), id=p.id, marks=marks(p)) for p in planned]
     metafunc.parametrize(list(check.axes), params)
+
+
+def _worker(planned: Planned, run: Any) -> pytest.MarkDecorator:
+    """Keep a group's tests on one pytest-xdist worker (``--dist loadgroup``)."""
+    return pytest.mark.xdist_group("/".join(map(str, planned.group(run.primary))))
 
 
 @pytest.hookimpl(tryfirst=True)
