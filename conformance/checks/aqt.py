@@ -77,7 +77,7 @@ def check_aqt_forward(case: Case) -> None:
             (linen_params, nnx_params),
             quantized=True,
         )
-        fail(report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(report(title, [found], (linen.name, nnx_.name)) + f"\n  {moved}")
     for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
         where = f"{side.name} AQT int8 TRAIN on mesh {case.mesh.id}"
         error_bound(where, logits, reference, AQT_MAX_ERROR)
@@ -128,8 +128,8 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
     wrong = [f"{p}: {s.dtype}" for p, s in sorted(qvalues.items()) if s.dtype != "int8"]
     fail_if_any("frozen qvalue leaves not int8", wrong)
     unnamed = [
-        f"{side} {path}: logical names {names} for a {len(spec.shape)}-dim leaf {spec}"
-        for side, aqt in (("Linen", linen), ("NNX", nnx_))
+        f"{side.name} {path}: logical names {names} for a {len(spec.shape)}-dim leaf {spec}"
+        for side, aqt in zip(live_pair(case), (linen, nnx_), strict=True)
         for path, spec in sorted(aqt.specs.items())
         if (names := aqt.logical[path]) is None or len(names) != len(spec.shape)
     ]
@@ -173,7 +173,7 @@ def check_aqt_convert(case: Case) -> None:
     mismatches = compare_trees(moved, nnx_frozen)
     if mismatches:
         title = f"frozen kernels (qvalue, scale) after CONVERT on mesh {case.mesh.id}"
-        fail(failed(title, mismatches, ("Linen", "NNX")))
+        fail(failed(title, mismatches, tuple(side.name for side in live_pair(case))))
     for side, logits, side_params in zip(
         live_pair(_train(case)), (linen_logits, nnx_logits), params, strict=True
     ):

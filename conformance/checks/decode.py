@@ -139,7 +139,7 @@ def _decode_attribution(case: Case, served: tuple[Served, ...], upto: int) -> st
         return _stages(again[0].generation, upto), _stages(again[1].generation, upto)
 
     on_mesh = (_stages(served[0].generation, upto), _stages(served[1].generation, upto))
-    return attributed(case, ("Linen", "NNX"), on_mesh, on_one_device)
+    return attributed(case, (served[0].side, served[1].side), on_mesh, on_one_device)
 
 
 def _prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -210,7 +210,7 @@ def check_decode(case: Case) -> None:
     linen, nnx_ = (s.generation for s in served)
     cache_map = map_paths(case.family.path_rules(case.bound), linen.caches[0])
     tol = tolerance_for(linen.prefill_logits.dtype)
-    names = ("Linen", "NNX")
+    names = (served[0].side, served[1].side)
     prefills = (
         _prompt_only(linen.prefill_logits, linen.lengths),
         _prompt_only(nnx_.prefill_logits, nnx_.lengths),
@@ -220,7 +220,7 @@ def check_decode(case: Case) -> None:
     found = compared("prefill", *prefills, x="prefill", **plot)
     if found is not None:
         title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
-        where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol)
+        where = _first_cache_divergence(linen, nnx_, cache_map, 0, tol, names)
         moved = _decode_attribution(case, served, 0)
         fail(report(title, [found], names) + where + f"\n  {moved}")
     _check_tokens(linen, nnx_, 0, "prefill")
@@ -230,14 +230,19 @@ def check_decode(case: Case) -> None:
         found = compared(x, *logits, x=x, **plot)
         if found is not None:
             title = f"{_step_title(found, linen.lengths, step)} on mesh {mesh.id}"
-            where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol)
+            where = _first_cache_divergence(linen, nnx_, cache_map, step + 1, tol, names)
             moved = _decode_attribution(case, served, step + 1)
             fail(report(title, [found], names) + where + f"\n  {moved}")
         _check_tokens(linen, nnx_, step + 1, f"decode step {step}")
 
 
 def _first_cache_divergence(
-    linen: Generation, nnx_: Generation, mapping: dict[str, str], upto: int, tol: Any
+    linen: Generation,
+    nnx_: Generation,
+    mapping: dict[str, str],
+    upto: int,
+    tol: Any,
+    names: tuple[str, str],
 ) -> str:
     """Where the two caches first differ, up to stage ``upto`` (0 is after prefill)."""
     for stage in range(upto + 1):
@@ -245,7 +250,7 @@ def _first_cache_divergence(
         mismatches = compare_trees(moved, nnx_.caches[stage], tol)
         if mismatches:
             when = "prefill" if stage == 0 else f"decode step {stage - 1}"
-            return "\n  the caches first differ after " + report(when, mismatches, ("Linen", "NNX"))
+            return "\n  the caches first differ after " + report(when, mismatches, names)
     return "\n  the caches agree up to here: the divergence is outside the cache"
 
 

@@ -120,6 +120,6 @@ def check_forward(case: Case) -> None:
             where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
         moved = forward_attribution(linen, nnx_, (a.logits, b.logits), (linen_params, nnx_params))
         fail(
-            report(f"{direction} on mesh {case.mesh.id}", [found], ("Linen", "NNX"))
+            report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
             + f"\n  {where}\n  {moved}"
         )

@@ -107,7 +107,7 @@ def check_quant_forward(case: Case) -> None:
         mismatches = compare_trees(moved, nnx_q)
         if mismatches:
             title = f"{quant} quantized parameters on mesh {case.mesh.id}"
-            fail(failed(title, mismatches, ("Linen", "NNX")))
+            fail(failed(title, mismatches, (linen.name, nnx_.name)))
     batch = case.batch()
     reference = host_array(linen.unquantized().forward(linen_float, batch)[0])
     linen_logits = host_array(linen.forward(linen_q, batch)[0])
@@ -116,7 +116,7 @@ def check_quant_forward(case: Case) -> None:
     found = compared(title, linen_logits, nnx_logits)
     if found is not None:
         moved = forward_attribution(linen, nnx_, (linen_logits, nnx_logits), (linen_q, nnx_q))
-        fail(report(title, [found], ("Linen", "NNX")) + f"\n  {moved}")
+        fail(report(title, [found], (linen.name, nnx_.name)) + f"\n  {moved}")
     for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
         where = f"{side.name} {quant} on mesh {case.mesh.id}"
         error_bound(where, logits, reference, mode.max_error)
@@ -155,19 +155,16 @@ def check_quant_hygiene(case: Case) -> None:
     found = set(jax.eval_shape(linen.runner.module.init, jax.random.key(0), *inputs))
     extra = [f"collection {name!r} appeared with quantization" for name in sorted(found - expected)]
     fail_if_any(f"Linen {quant}: init returns transient collections", extra)
-    leaves = {
-        "Linen": len(
-            jax.tree.leaves(
-                jax.eval_shape(linen.runner.module.init, jax.random.key(0), *inputs)["params"]
-            )
-        ),
-        "NNX": len(jax.tree.leaves(nnx.state(quantized_model, nnx.Param))),
-    }
-    for side in (linen, nnx_):
+    linen_params = jax.eval_shape(linen.runner.module.init, jax.random.key(0), *inputs)["params"]
+    leaves = (
+        len(jax.tree.leaves(linen_params)),
+        len(jax.tree.leaves(nnx.state(quantized_model, nnx.Param))),
+    )
+    for side, count in zip((linen, nnx_), leaves, strict=True):
         n_specs = len(case.specs(side.runner.logical))
-        if leaves[side.name] != n_specs:
+        if count != n_specs:
             fail(
-                f"{side.name} {quant}: the parameter tree has {leaves[side.name]} leaves but its "
+                f"{side.name} {quant}: the parameter tree has {count} leaves but its "
                 f"sharding tree has {n_specs}"
             )
 

@@ -34,6 +34,7 @@ from conformance.core.sharding import MeshSpec
 from conformance.runtime import aqt as aqt_runtime
 from conformance.runtime import quant
 from conformance.runtime.case import Case
+from conformance.runtime.sides import SIDES
 
 AXES = ("family", "size", "full_size", "mesh", "topology", "scan_layers", "dtype", "quant")
 """The axes a test can be parametrized over, in test-id order."""
@@ -139,7 +140,8 @@ def _declares_topology_mode(family: Family) -> str | None:
 
 
 _ON_MESH = ("family", "mesh", "scan_layers")
-_BACKENDS = (("backend", (Param("linen", "linen"), Param("nnx", "nnx"))),)
+_SIDE_VALUES = tuple(Param(backend, backend) for backend in SIDES)
+_BACKENDS = (("backend", _SIDE_VALUES),)
 _CONVERSIONS = (
     (
         "layouts",
@@ -153,7 +155,7 @@ _CONVERSIONS = (
             )
         ),
     ),
-    ("source", (Param("linen", "linen"), Param("nnx", "nnx"))),
+    ("source", _SIDE_VALUES),
 )
 _LAYOUT_VARIANTS = (
     (

@@ -37,7 +37,7 @@ from conformance.core.trees import (
 )
 from conformance.core.trees import restack as trees_restack
 from conformance.runtime.backends import linen_runner, path_map
-from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer
+from conformance.runtime.training import TRAINERS, flat_state
 
 FORMAT_VERSION = 1
 INFO_FILE = "conformance.json"
@@ -228,7 +228,7 @@ def convert(
 
 def expected_layout(family: Family, config: Any, backend: str) -> dict[str, LeafSpec]:
     """``{path: LeafSpec}`` of the train state the harness builds for ``backend``."""
-    trainer = (linen_trainer if backend == "linen" else nnx_trainer)(family, config)
+    trainer = TRAINERS[backend](family, config)
     return specs(flat_state(trainer.abstract_state))
 
 

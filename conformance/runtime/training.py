@@ -412,6 +412,10 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+TRAINERS: dict[str, Callable[..., Any]] = {}
+"""Each backend's trainer factory, by backend id (filled below)."""
+
+
 @scoped
 def linen_trainer(
     family: Family,
@@ -434,3 +438,6 @@ def nnx_trainer(
 ) -> NnxTrainer:
     """The NNX trainer for ``(family, config, micro_batches, quant, vocab_tiles)``."""
     return NnxTrainer(family, config, micro_batches, quant, vocab_tiles)
+
+
+TRAINERS.update(linen=linen_trainer, nnx=nnx_trainer)
