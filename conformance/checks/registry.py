@@ -24,12 +24,13 @@ from conformance.checks import (
     forward,
     invariance,
     quantization,
+    raised,
     state,
     structure,
     training,
 )
 from conformance.contract import Family
-from conformance.core.failure import CheckFailure, checking
+from conformance.core.failure import CheckFailure, checking, fail
 from conformance.core.sharding import MeshSpec
 from conformance.runtime import aqt as aqt_runtime
 from conformance.runtime import quant
@@ -89,11 +90,24 @@ class Check:
     """Why a family cannot run this check beyond its capabilities (a skip reason)."""
 
     def __call__(self, case: Case, **params: Any) -> Any:
-        """Run the check on ``case``; its failures are headed ``<family> <check>:``."""
+        """Run the check on ``case``; its failures are headed ``<family> <check>:``.
+
+        An exception raised inside one of the case's sides is a failure too, reported by
+        :func:`conformance.checks.raised.report` (the original stays its context); any
+        other exception propagates unchanged.
+        """
         if self.run is None:
             raise TypeError(f"{self.name} is not a registered check")
         with checking(case.family.name, self.name):
-            return self.run(case, **params)
+            try:
+                return self.run(case, **params)
+            except CheckFailure:
+                raise
+            except Exception as err:
+                message = raised.report(case, err)
+                if message is None:
+                    raise
+                fail(message)
 
 
 @dataclasses.dataclass(frozen=True)

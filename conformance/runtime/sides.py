@@ -56,6 +56,10 @@ class Side(abc.ABC):
     """How reports name the side (``Linen``, ``NNX``)."""
     backend: ClassVar[str]
     """The backend's id in checkpoints and test ids (``linen``, ``nnx``)."""
+    parts: ClassVar[dict[type, str]]
+    """The runtime objects the side builds, each with what it is (``model``, ``trainer``,
+    ``decoder``, ``AQT model``): an exception raised in one of their methods is this
+    side's (:mod:`conformance.checks.raised`)."""
 
     @property
     @abc.abstractmethod
@@ -138,6 +142,12 @@ class LinenSide(Side):
 
     name: ClassVar[str] = "Linen"
     backend: ClassVar[str] = "linen"
+    parts: ClassVar[dict[type, str]] = {
+        LinenRunner: "model",
+        LinenTrainer: "trainer",
+        LinenDecoder: "decoder",
+        LinenAqt: "AQT model",
+    }
 
     @property
     def runner(self) -> LinenRunner:
@@ -178,6 +188,12 @@ class NnxSide(Side):
 
     name: ClassVar[str] = "NNX"
     backend: ClassVar[str] = "nnx"
+    parts: ClassVar[dict[type, str]] = {
+        NnxRunner: "model",
+        NnxTrainer: "trainer",
+        NnxDecoder: "decoder",
+        NnxAqt: "AQT model",
+    }
 
     @property
     def runner(self) -> NnxRunner:

@@ -47,6 +47,15 @@ class NanOnOneSide(NnxConfigFault, LlamaFamily):
     changes: ClassVar[dict[str, Any]] = {"norm_eps": -1.0}
 
 
+class RaisesOnNnx(LlamaFamily):
+    """NNX block 1's MLP output projection contracts two input axes: its forward raises."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.layers[1].mlp.down.num_in = 2
+        return model
+
+
 FAULTS = (
     Fault(
         NormEpsilon(),
@@ -78,4 +87,15 @@ FAULTS = (
         size="small",
     ),
     Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),
+    Fault(
+        RaisesOnNnx(),
+        "forward",
+        (
+            "NNX raised TypeError while running the forward (NnxRunner.forward)",
+            "dot_general requires contracting dimensions to have the same shape",
+            "raised at models/nnx_layers.py:",
+            "the parameters it names: layers/0/mlp/down/kernel: shape (128, 64)",
+            "only NNX fails: Linen gets through running the forward. A Linen/NNX divergence",
+        ),
+    ),
 )

@@ -1,0 +1,235 @@
+"""An exception raised inside a side, as a report rather than a traceback.
+
+When building, initialising, quantizing, running, training, decoding or converting one
+side raises, :func:`report` says which side raised, in which call and where, the
+parameter the error names (when it names a shape or logical axis names), and whether
+the other backend fails alike. To know that, both live sides are probed
+(:func:`probe`): built, initialised, run forward and, for an error inside a trainer,
+trained one step. The same error on both backends is a library limitation, not a
+Linen/NNX divergence; an error on one backend alone is a divergence.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import traceback
+from pathlib import Path
+from types import FrameType
+
+from conformance.checks.kernel import Training
+from conformance.runtime.case import Case
+from conformance.runtime.sides import SIDES, Side, live_pair
+
+_DOING = {
+    ("model", "build"): "building the model",
+    ("model", "init"): "initialising the parameters",
+    ("model", "forward"): "running the forward",
+    ("model", "quantize"): "quantizing the parameters",
+    ("model", "quantized"): "quantizing the model",
+    ("model", "convert"): "quantizing the parameters",
+    ("trainer", "build"): "building the trainer",
+    ("trainer", "initial_state"): "creating the train state",
+    ("trainer", "create"): "creating the train state",
+    ("trainer", "step_fn"): "running a train step",
+    ("trainer", "step"): "running a train step",
+    ("decoder", "build"): "building the decoder",
+    ("decoder", "init_cache"): "creating the KV cache",
+    ("decoder", "init"): "creating the KV cache",
+    ("decoder", "run"): "decoding",
+    ("decoder", "serve"): "decoding",
+    ("AQT model", "build"): "building the AQT model",
+    ("AQT model", "convert"): "the AQT convert",
+    ("AQT model", "serve"): "serving the AQT model",
+}
+"""What a side was doing, by the kind of object and its method (without ``_`` and ``_impl``)."""
+
+_MODEL_STEPS = ("building the model", "initialising the parameters", "running the forward")
+_TRAINER_STEPS = ("building the trainer", "creating the train state", "running a train step")
+
+_MAX_LINES = 4
+_MAX_WIDTH = 240
+_MAX_PATHS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Raised:
+    """One side's exception: the side, what it was doing, in which method, the error."""
+
+    side: str
+    doing: str
+    call: str
+    error: BaseException
+
+    @property
+    def kind(self) -> str:
+        """The exception's class name (``AssertionError``)."""
+        return type(self.error).__name__
+
+    def message(self) -> list[str]:
+        """The exception's message, at most a few lines, each cut to a readable width."""
+        lines = [line for line in str(self.error).splitlines() if line.strip()] or [""]
+        cut = [line if len(line) <= _MAX_WIDTH else line[:_MAX_WIDTH] + " ..." for line in lines]
+        extra = [f"... ({len(lines) - _MAX_LINES} more lines)"] if len(lines) > _MAX_LINES else []
+        return cut[:_MAX_LINES] + extra
+
+    def alike(self, other: Raised) -> bool:
+        """Whether ``other`` is the same error in the same call (up to the side's name)."""
+        return (self.doing, self.kind, self.message()) == (other.doing, other.kind, other.message())
+
+
+def _normalised(method: str) -> str:
+    return "build" if method == "__init__" else method.strip("_").removesuffix("_impl")
+
+
+def _owner(frame: FrameType) -> tuple[type[Side], str, str, bool] | None:
+    """The side running ``frame``'s method, what it did, the method, whether it is public.
+
+    ``__init__`` counts as public: building is a call of its own.
+    """
+    obj = frame.f_locals.get("self")
+    method = frame.f_code.co_name
+    if obj is None or getattr(type(obj), method, None) is None:
+        return None
+    for side in SIDES.values():
+        for cls, kind in side.parts.items():
+            if isinstance(obj, cls):
+                doing = _DOING.get((kind, _normalised(method)), f"calling {method}")
+                public = method == "__init__" or not method.startswith("_")
+                return side, doing, f"{type(obj).__name__}.{method}", public
+    return None
+
+
+def raised_in(error: BaseException) -> Raised | None:
+    """Which side ``error`` was raised in, and in which call, or ``None`` if in no side.
+
+    The call is the innermost public method of a side's object on the traceback (the
+    innermost method of any name when none is public).
+    """
+    frames = traceback.walk_tb(error.__traceback__)
+    owners = [found for frame, _ in frames if (found := _owner(frame))]
+    if not owners:
+        return None
+    side, doing, call, _ = ([o for o in owners if o[3]] or owners)[-1]
+    return Raised(side.name, doing, call, error)
+
+
+def origin(error: BaseException) -> str:
+    """Where ``error`` was raised: the innermost frame's file, line and function.
+
+    The file is shortened to its path inside ``site-packages``, or inside the working
+    directory. JAX drops its own frames from a traceback, so an error inside a traced
+    function is located in the model code that called JAX.
+    """
+    frames = list(traceback.walk_tb(error.__traceback__))
+    if not frames:
+        return "unknown"
+    frame, line = frames[-1]
+    path = Path(frame.f_code.co_filename)
+    parts = path.parts
+    installed = [i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
+    if installed:
+        path = Path(*parts[installed[-1] + 1 :])
+    elif path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    return f"{path}:{line} in {frame.f_code.co_name}"
+
+
+def probe(side: Side, trainer: bool) -> Raised | None:
+    """How ``side`` fails built, initialised, run forward (and trained a step), or ``None``.
+
+    The train step is probed only with ``trainer``; an error that is not raised inside
+    one of the side's objects is attributed to the step being probed.
+    """
+    doing = "building the model"
+    try:
+        runner = side.runner
+        doing = "initialising the parameters"
+        params = runner.init(0, side.shardings())
+        doing = "running the forward"
+        runner.forward(params, side.case.batch())
+        if trainer:
+            doing = "building the trainer"
+            training = Training.start(side)
+            doing = "running a train step"
+            training.advance(side.case.batch())
+    except Exception as err:
+        found = raised_in(err)
+        return found if found is not None else Raised(side.name, doing, doing, err)
+    return None
+
+
+_SHAPE = re.compile(r"\((\d+(?:, *\d+)+,?)\)")
+_NAMES = re.compile(r"\(((?:'[\w.]+'|None)(?:, *(?:'[\w.]+'|None))*,?)\)")
+
+
+def named_params(error: BaseException, side: Side) -> list[str]:
+    """The float parameters of ``side`` whose shape (and logical names) ``error`` names."""
+    text = str(error)
+    shapes = {tuple(ast.literal_eval(f"({m})")) for m in _SHAPE.findall(text)}
+    names = [tuple(ast.literal_eval(f"({m},)")) for m in _NAMES.findall(text)]
+    if not shapes:
+        return []
+    try:
+        runner = side.unquantized().runner
+    except Exception:
+        return []
+    found = []
+    for path, spec in sorted(runner.specs.items()):
+        logical = runner.logical.get(path) or ()
+        if tuple(spec.shape) not in shapes:
+            continue
+        if names and not any(set(n) <= set(logical) for n in names):
+            continue
+        found.append(f"{path}: shape {tuple(spec.shape)}, logical names {logical}")
+    return found
+
+
+def _verdict(raised: Raised, other: Raised | None, other_name: str, probed: tuple[str, ...]) -> str:
+    if other is None:
+        if raised.doing not in probed:
+            return (
+                f"{other_name} gets through {', '.join(probed)}; whether it fails "
+                f"{raised.doing} too was not tried"
+            )
+        return (
+            f"only {raised.side} fails: {other_name} gets through {raised.doing}. "
+            "A Linen/NNX divergence, not a library limitation"
+        )
+    if other.alike(raised):
+        return (
+            f"{other.side} fails alike ({other.call}): the same error on both backends: "
+            "a library limitation, not a Linen/NNX divergence"
+        )
+    first = f"{other.side} fails {other.doing} ({other.call}) with {other.kind}: "
+    return first + " / ".join(other.message())
+
+
+def report(case: Case, error: BaseException) -> str | None:
+    """The report of ``error`` raised inside a side of ``case``, or ``None`` if in no side.
+
+    Its lines: which side raised what while doing what (and in which method), the
+    message, where it was raised, the parameters it names, and the other backend's
+    verdict from :func:`probe`.
+    """
+    raised = raised_in(error)
+    if raised is None:
+        return None
+    sides = {side.name: side for side in live_pair(case)}
+    trainer = raised.doing in _TRAINER_STEPS
+    probed = _MODEL_STEPS + (_TRAINER_STEPS if trainer else ())
+    lines = [
+        f"{raised.side} raised {raised.kind} while {raised.doing} ({raised.call})",
+        *raised.message(),
+        f"raised at {origin(error)}",
+    ]
+    own = sides.get(raised.side)
+    if own is not None and (params := named_params(error, own)):
+        lines.append("the parameters it names: " + "; ".join(params[:_MAX_PATHS]))
+        if len(params) > _MAX_PATHS:
+            lines[-1] += f"; and {len(params) - _MAX_PATHS} more"
+    for name, side in sides.items():
+        if name != raised.side:
+            lines.append(_verdict(raised, probe(side, trainer), name, probed))
+    return "\n  ".join(lines)

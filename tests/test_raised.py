@@ -1,0 +1,56 @@
+"""An exception inside a side is a report: which side, which call, which parameter, and
+whether the other backend fails alike. An exception outside every side propagates."""
+
+import dataclasses
+
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+from conformance import families
+from conformance.checks import registry
+from conformance.core.failure import CheckFailure
+from conformance.core.sharding import parse_mesh
+from conformance.runtime.case import Case
+
+QUERY = ("embed", "heads", "head_dim")
+
+
+def _case(quant: str | None = None) -> Case:
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    case = Case.of(families.get("llama"), "tiny", mesh=mesh, devices=mesh.devices())
+    return case.quantized(quant)
+
+
+def _two_names(partition):
+    """``partition`` that annotates the 3-D query kernel with only two logical names."""
+
+    def partitioned(init, names, *args, **kwargs):
+        return partition(init, names[:2] if tuple(names) == QUERY else names, *args, **kwargs)
+
+    return partitioned
+
+
+def test_the_same_library_error_on_both_backends_is_reported_as_one(monkeypatch):
+    monkeypatch.setattr(nn, "with_logical_partitioning", _two_names(nn.with_logical_partitioning))
+    monkeypatch.setattr(nnx, "with_partitioning", _two_names(nnx.with_partitioning))
+    with pytest.raises(CheckFailure) as caught:
+        registry.get("quant_forward")(_case("ptq_int8"))
+    report = str(caught.value)
+    assert report.startswith("llama quant_forward: Linen raised AssertionError while building")
+    assert "shape=(64, 4, 16) spec=('embed', 'heads')" in report
+    assert "raised at qwix/_src/utils/flax_util.py" in report
+    assert "the parameters it names: layers_0/attn/q/kernel: shape (64, 4, 16)" in report
+    assert "layers_1/attn/q/kernel" in report
+    assert "NNX fails alike (NnxRunner.build): the same error on both backends" in report
+    assert "not a Linen/NNX divergence" in report
+    assert len(report.splitlines()) < 10, report
+
+
+def test_an_error_outside_every_side_propagates_unchanged():
+    def broken(case):
+        raise KeyError("the harness's own bug")
+
+    check = dataclasses.replace(registry.get("forward"), run=broken)
+    with pytest.raises(KeyError, match="the harness's own bug"):
+        check(_case())
