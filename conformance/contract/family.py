@@ -106,7 +106,10 @@ class Family(abc.ABC):
     whose tests skip, with the reason, when the family does not declare it.
 
     Configs must be hashable (a frozen dataclass is): the harness builds each side once
-    per config and reuses it. Modules are called as follows:
+    per config and reuses it. Init and evaluation must be deterministic: the same seed
+    gives the same parameters, the same parameters and batch the same logits, in every
+    call and process; a training forward draws randomness only from :attr:`train_rngs`
+    (and NNX's matching ``Rngs`` streams). Modules are called as follows:
 
     * ``linen_module(config).apply({"params": p}, tokens, positions, segment_ids,
       **kwargs)`` and ``nnx_module(config, rngs)(tokens, positions, segment_ids,
@@ -153,7 +156,12 @@ class Family(abc.ABC):
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})
-    """Why the family lacks a capability (``{"decode": "..."}``), shown in the skip reason."""
+    """Why the family cannot run something, shown in every skip reason it explains.
+
+    Keyed by a :class:`Capabilities` field (``{"decode": "..."}``, ``"scan_layers"``
+    for a missing layer layout, ``"quantization"`` for a missing mode) or by the name
+    of a check the family cannot run for a reason of the check's own.
+    """
 
     batch_axis: str = "batch"
     """Logical name of a batch's leading axis; batches are placed by resolving it."""

@@ -135,11 +135,18 @@ def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
     return planned
 
 
+def _because(family: Family, reason: str, capability: str) -> str:
+    """``reason``, followed by the family's ``unsupported`` word on ``capability``."""
+    why = family.unsupported.get(capability)
+    return f"{reason}: {why}" if why else reason
+
+
 def _layout_missing(family: Family, scan: bool) -> str | None:
     if scan in family.capabilities.scan_layers:
         return None
     layout = "scan_layers" if scan else "a layer list"
-    return f"{family.name} does not support {layout} (Capabilities.scan_layers)"
+    reason = f"{family.name} does not support {layout} (Capabilities.scan_layers)"
+    return _because(family, reason, "scan_layers")
 
 
 def skip_reason(planned: Planned) -> str | None:
@@ -159,7 +166,8 @@ def skip_reason(planned: Planned) -> str | None:
         method = f"{check.quant_method} " if check.quant_method else ""
         declared = ", ".join(sorted(family.capabilities.quantization))
         reason = f"{family.name} declares no {method}quantization mode"
-        return reason + (f" (it declares {declared})" if declared else "")
+        reason += f" (it declares {declared})" if declared else ""
+        return _because(family, reason, "quantization")
     params = planned.params.values()
     for layout in (*[s for p in params for s in p.layouts], *check.layouts):
         if (reason := _layout_missing(family, layout)) is not None:
@@ -173,8 +181,8 @@ def skip_reason(planned: Planned) -> str | None:
         why = "; ".join(family.unsupported[n] for n in missing if n in family.unsupported)
         reason = f"{family.name} does not declare Capabilities({declared})"
         return f"{reason}: {why}" if why else reason
-    if check.requires is not None:
-        return check.requires(family)
+    if check.requires is not None and (reason := check.requires(family)) is not None:
+        return _because(family, reason, check.name)
     return None
 
 

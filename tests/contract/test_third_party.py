@@ -84,6 +84,13 @@ def test_every_skip_names_the_family_and_why(zoo_run):
     assert skips, "toy-minimal declares nothing optional: some checks must skip"
     vague = {name: why for name, why in skips.items() if "toy-" not in why or len(why) < 30}
     assert not vague
+    minimal = {name: why for name, why in skips.items() if "[toy-minimal-" in name}
+    layout = [why for name, why in minimal.items() if "scan_layers" in why]
+    assert layout
+    assert all(why.endswith("never stacked") for why in layout), layout
+    decode = [why for name, why in minimal.items() if name.startswith("test_decode[")]
+    assert decode
+    assert all(why.endswith("it keeps no KV cache") for why in decode), decode
 
 
 def checks_run(junit: ET.ElementTree, family: str) -> set[str]:

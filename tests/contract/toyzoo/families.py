@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax.numpy as jnp
@@ -26,6 +27,12 @@ class ToyMinimal(Family):
 
     name = "toy-minimal"
     sizes = ("small", "large")
+    unsupported: Mapping[str, str] = MappingProxyType(
+        {
+            "scan_layers": "its blocks are a Python list, never stacked",
+            "decode": "it keeps no KV cache",
+        }
+    )
 
     def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> ToyConfig:
         return dataclasses.replace(SIZES[size], stacked=scan_layers, dtype=dtype)
@@ -60,6 +67,7 @@ class ToyFull(ToyMinimal):
     """Every optional hook: both layouts, remat and dropout variants, decode, Qwix QAT."""
 
     name = "toy-full"
+    unsupported: Mapping[str, str] = MappingProxyType({})
     capabilities = Capabilities(
         scan_layers=(True, False),
         remat=True,
