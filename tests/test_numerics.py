@@ -72,6 +72,16 @@ def test_reference_tie_break_accepts_only_a_no_worse_second_side():
     assert compare_arrays("x", first, second, tol, reference=np.array([0.9])) is not None
 
 
+def test_the_report_says_what_its_errors_cover_and_what_the_tie_break_accepted():
+    first, second = np.array([1.0, 1.0, 1.0]), np.array([1.1, 1.1, 1.5])
+    reference = np.array([1.2, 1.2, 0.9])
+    found = compare_arrays("x", first, second, Tolerance(0.0, 0.0), reference=reference)
+    assert (found.count, found.accepted) == (1, 2)
+    text = found.describe()
+    assert "over the 1 differing elements: max |a-b|=5.000e-01" in text
+    assert "the tie-break accepted 2 more elements outside tolerance" in text
+
+
 def test_shape_mismatch_is_reported():
     found = compare_arrays("x", np.zeros((2, 3)), np.zeros((3, 2)))
     assert found is not None

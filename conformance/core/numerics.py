@@ -62,6 +62,9 @@ class Mismatch:
     zeros: int = 0
     """Differing elements where the second side is exactly 0: they have no relative
     error, so ``max_rel`` is over the others only (NaN if there are none)."""
+    accepted: int = 0
+    """Elements outside tolerance that the tie-break accepted (the second side no
+    farther from the reference than the first); not counted in ``count``."""
     missing_on: int | None = None
     """0 or 1 when the leaf exists on the other side only; no values were compared."""
     shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
@@ -85,11 +88,18 @@ class Mismatch:
         rel = "none" if np.isnan(self.max_rel) else f"{self.max_rel:.3e}"
         if self.zeros:
             rel += f" ({self.zeros} where {b} is exactly 0: no relative error there)"
-        return (
+        text = (
             f"{head}\n"
             f"    worst at index {list(self.index)}: {a}={self.first!r} {b}={self.second!r}\n"
-            f"    max |a-b|={self.max_abs:.3e}  max rel={rel}  tolerance {self.tolerance}"
+            f"    over the {self.count} differing elements: max |a-b|={self.max_abs:.3e}  "
+            f"max rel={rel}  tolerance {self.tolerance}"
         )
+        if self.accepted:
+            text += (
+                f"\n    the tie-break accepted {self.accepted} more elements outside tolerance "
+                f"({b} no farther from the reference than {a})"
+            )
+        return text
 
 
 def _as_f64(x: Any) -> np.ndarray:
@@ -132,9 +142,12 @@ def compare_arrays(
         diff = np.where(finite, np.abs(a64 - b64), np.inf)
         outside = finite & (diff > tol.atol + tol.rtol * np.abs(b64))
     bad = outside | (~finite & ~same_nonfinite)
+    accepted = 0
     if reference is not None and bad.any():
         ref = _as_f64(reference)
-        bad &= np.abs(b64 - ref) > np.abs(a64 - ref)
+        farther = np.abs(b64 - ref) > np.abs(a64 - ref)
+        accepted = int((bad & ~farther).sum())
+        bad &= farther
     if not bad.any():
         return None
     zero = finite & (b64 == 0)
@@ -157,6 +170,7 @@ def compare_arrays(
         tolerance=tol,
         reason=reason,
         zeros=int((bad & zero).sum()),
+        accepted=accepted,
     )
 
 
