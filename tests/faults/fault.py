@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
 from flax import nnx
 
+from conformance.core.sharding import MeshSpec
 from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama.family import LlamaFamily
+from tests.suite_run import run_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,21 @@ class Fault:
     scenario: Callable[..., None] | None = None
     """Run instead of the check: ``scenario(fault, workdir)`` (a fault in what a check is
     handed, such as another model's checkpoint, rather than in the family)."""
+
+    def run(self, workdir: Path, mesh: MeshSpec) -> None:
+        """Run the fault's check as the suite would, on ``mesh`` (or its scenario instead)."""
+        if self.scenario is not None:
+            self.scenario(self, workdir)
+            return
+        run_check(
+            self.check,
+            self.family,
+            workdir,
+            mesh,
+            size=self.size,
+            quant=self.quant,
+            params=self.params,
+        )
 
     @property
     def id(self) -> str:

@@ -1,0 +1,37 @@
+"""Each benign variant must pass every check listed for it: no false alarm.
+
+Variants run through the check registry on the tier's primary mesh, as the planted
+faults do; a check the tier leaves out (its quantization mode) is skipped as not run.
+"""
+
+import pytest
+
+from conformance.core.failure import CheckFailure
+from tests.benign.variants import CHECKS, VARIANTS
+from tests.suite_run import facets, run_check
+
+CASES = [
+    pytest.param(
+        (variant, check, quant),
+        marks=[pytest.mark.xfail(reason=why, raises=CheckFailure, strict=True)]
+        if (why := variant.false_alarm(check, quant))
+        else [],
+    )
+    for variant in VARIANTS
+    for check, quant in CHECKS
+]
+
+
+def _id(case):
+    variant, check, quant = case
+    return f"{variant.name}-{check}" + (f"-{quant}" if quant else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_variant_passes(case, monkeypatch, tmp_path, tier, primary_mesh):
+    variant, check, quant = case
+    mesh, _ = primary_mesh
+    if reason := tier.leaves_out(variant.family, facets(mesh, quant)):
+        pytest.skip(f"not run: tier {tier.name} leaves out {check} with {reason}")
+    monkeypatch.setattr(*variant.patch)
+    run_check(check, variant.family, tmp_path, mesh, quant=quant)

@@ -1,0 +1,58 @@
+"""Run one registered check as the suite would, outside the suite: the fault and benign
+catalogues' shared runner."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from conformance.checks import registry
+from conformance.contract import Family
+from conformance.core.sharding import MeshSpec, parse_mesh
+
+TOPOLOGY = parse_mesh("4x8x8")
+
+
+def run_check(
+    name: str,
+    family: Family,
+    workdir: Path,
+    mesh: MeshSpec,
+    *,
+    size: str = "tiny",
+    quant: str | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Any:
+    """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32."""
+    check = registry.get(name)
+    params = dict(params or {})
+    values = {
+        "family": family,
+        "size": size,
+        "scan_layers": params.get("layouts", (False,))[0],
+        "dtype": jnp.float32,
+        "quant": quant,
+        "mesh": mesh,
+        "topology": TOPOLOGY,
+    }
+    target = registry.mesh_of(check, values, mesh)
+    devices = target.devices() if check.devices and target is not None else None
+    case = registry.case_of(check, values, target, devices)
+    if check.workdir:
+        params["workdir"] = workdir
+    if check.saved_on:
+        params["saved_on"] = case.on(mesh)
+    return check(case, **params)
+
+
+def facets(
+    mesh: MeshSpec, quant: str | None, params: Mapping[str, Any] | None = None
+) -> dict[str, object]:
+    """What a tier narrows the test that would run such a check by."""
+    layouts = (params or {}).get("layouts", (0, 0))
+    source, target = ("scan" if scan else "loop" for scan in layouts)
+    found = {"mesh": mesh, "scan_layers": False, "dtype": "f32", "layouts": f"{source}-{target}"}
+    return found | ({"quant": quant} if quant else {})
