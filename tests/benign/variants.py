@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -37,7 +38,13 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
 _ROUNDING = (
     "a false alarm the harness still raises: the float programs differ by rounding only "
     "(forward and train_step pass), quantization moves a rounding-level difference across "
-    "quantization steps, and {check} compares quantized results with the float32 tolerance"
+    "quantization steps, and the check compares quantized results with the float32 tolerance"
+)
+_EINSUM_PTQ = (
+    "open: the float forwards agree bitwise and so do the qat_int8 ones, but Qwix's PTQ "
+    "quantizes an einsum's activations differently from a dot_general's (logits 2.1e-2 "
+    "apart in relative L2, each side 3.4e-2 from its float run); the quantized parameters "
+    "agree exactly"
 )
 
 
@@ -50,12 +57,13 @@ class Variant:
     patch: tuple[Any, str, Any]
     """``(class, method name, replacement)`` in the built-in NNX model's code."""
     family: Family = dataclasses.field(default_factory=LlamaFamily)
-    false_alarms: tuple[tuple[str, str | None], ...] = ()
-    """Checks of :data:`CHECKS` that still fail on this correct variant (strict xfails)."""
+    false_alarms: Mapping[tuple[str, str | None], str] = dataclasses.field(default_factory=dict)
+    """Checks of :data:`CHECKS` that still fail on this correct variant, with why (strict
+    xfails)."""
 
     def false_alarm(self, check: str, quant: str | None) -> str | None:
         """Why ``check`` still fails on this variant, if it does."""
-        return _ROUNDING.format(check=check) if (check, quant) in self.false_alarms else None
+        return self.false_alarms.get((check, quant))
 
 
 def _up_before_gate(self: llama_nnx.Mlp, x: jax.Array) -> jax.Array:
@@ -121,24 +129,24 @@ VARIANTS: tuple[Variant, ...] = (
         "rmsnorm-division",
         "RMSNorm divides by sqrt(mean(x*x) + eps) instead of multiplying by rsqrt",
         (llama_nnx.RMSNorm, "__call__", _reciprocal_sqrt_by_division),
-        false_alarms=(("qat_train_step", "qat_int8"),),
+        false_alarms={("qat_train_step", "qat_int8"): _ROUNDING},
     ),
     Variant(
         "jax-attention",
         "attention is jax.nn.dot_product_attention (scale on the scores, XLA softmax)",
         (llama_nnx.Attention, "__call__", _jax_attention),
-        false_alarms=(
-            ("quant_forward", "ptq_int8"),
-            ("quant_forward", "qat_int8"),
-            ("qat_train_step", "qat_int8"),
-        ),
+        false_alarms={
+            ("quant_forward", "ptq_int8"): _ROUNDING,
+            ("quant_forward", "qat_int8"): _ROUNDING,
+            ("qat_train_step", "qat_int8"): _ROUNDING,
+        },
     ),
     Variant(
         "einsum-projection",
         "every projection is jnp.einsum instead of lax.dot_general",
         (nnx_layers.DenseGeneral, "__call__", _einsum_projection),
         EinsumScope(),
-        false_alarms=(("quant_forward", "ptq_int8"),),
+        false_alarms={("quant_forward", "ptq_int8"): _EINSUM_PTQ},
     ),
 )
 """Every benign variant."""
