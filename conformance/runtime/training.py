@@ -412,10 +412,6 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-TRAINERS: dict[str, Callable[..., Any]] = {}
-"""Each backend's trainer factory, by backend id (filled below)."""
-
-
 @scoped
 def linen_trainer(
     family: Family,
@@ -440,4 +436,5 @@ def nnx_trainer(
     return NnxTrainer(family, config, micro_batches, quant, vocab_tiles)
 
 
-TRAINERS.update(linen=linen_trainer, nnx=nnx_trainer)
+TRAINERS: dict[str, Callable[..., Any]] = {"linen": linen_trainer, "nnx": nnx_trainer}
+"""Each backend's trainer factory, by backend id."""
