@@ -135,9 +135,9 @@ def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
     return planned
 
 
-def _because(family: Family, reason: str, capability: str) -> str:
-    """``reason``, followed by the family's ``unsupported`` word on ``capability``."""
-    why = family.unsupported.get(capability)
+def _because(family: Family, reason: str, *keys: str) -> str:
+    """``reason``, followed by the family's ``unsupported`` words on ``keys``, if any."""
+    why = "; ".join(family.unsupported[key] for key in keys if key in family.unsupported)
     return f"{reason}: {why}" if why else reason
 
 
@@ -178,9 +178,9 @@ def skip_reason(planned: Planned) -> str | None:
     missing = [name for name in wanted if not getattr(family.capabilities, name)]
     if missing:
         declared = ", ".join(f"{name}=True" for name in missing)
-        why = "; ".join(family.unsupported[n] for n in missing if n in family.unsupported)
-        reason = f"{family.name} does not declare Capabilities({declared})"
-        return f"{reason}: {why}" if why else reason
+        return _because(
+            family, f"{family.name} does not declare Capabilities({declared})", *missing
+        )
     if check.requires is not None and (reason := check.requires(family)) is not None:
         return _because(family, reason, check.name)
     return None
