@@ -224,8 +224,7 @@ def report(case: Case, error: BaseException) -> str | None:
         *raised.message(),
         f"raised at {origin(error)}",
     ]
-    own = sides.get(raised.side)
-    if own is not None and (params := named_params(error, own)):
+    if params := named_params(error, sides[raised.side]):
         lines.append("the parameters it names: " + "; ".join(params[:_MAX_PATHS]))
         if len(params) > _MAX_PATHS:
             lines[-1] += f"; and {len(params) - _MAX_PATHS} more"
