@@ -12,9 +12,7 @@ from typing import Any
 import jax
 
 from conformance.checks.kernel import (
-    Training,
     misplaced,
-    params_of,
     steps_agree,
     train_pair,
 )
@@ -26,6 +24,7 @@ from conformance.core.trees import Flat, specs
 from conformance.runtime.case import Case
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, convert, restore, save
 from conformance.runtime.sides import SIDES
+from conformance.runtime.stepping import Training, params_of
 from conformance.runtime.training import flat_state
 
 

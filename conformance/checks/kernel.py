@@ -10,13 +10,11 @@ are raised with :func:`~conformance.core.failure.fail`, headed by the check that
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -34,12 +32,12 @@ from conformance.core.numerics import (
 from conformance.core.records import emit, emit_verdict, failed, listening, measure
 from conformance.core.sharding import Logical, indivisible, spec_to_json
 from conformance.core.trees import Flat, LeafSpec, PathMapError, check_bijection
-from conformance.runtime.backends import TransplantError, transplant
+from conformance.runtime.backends import TransplantError
 from conformance.runtime.case import Case
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
 from conformance.runtime.diagnose.attribution import Pair, attribution_text
-from conformance.runtime.sides import Side, Trainer, live_pair
-from conformance.runtime.training import flat_state
+from conformance.runtime.sides import Side, live_pair
+from conformance.runtime.stepping import StepResult, Training
 
 STEPS = 3
 """Train steps compared for parity."""
@@ -232,61 +230,6 @@ def round_trip(
     if mismatches:
         fail(failed(f"{what} after an orbax round trip", mismatches, ("saved", "restored")))
     return restored
-
-
-StepResult = tuple[Flat, Any, Flat]
-"""One step's ``(state, loss, grads)``, keyed by canonical paths."""
-
-
-def params_of(state: Flat) -> Flat:
-    """The model parameters of a flat train state, keyed by their parameter paths."""
-    return {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
-
-
-@dataclasses.dataclass
-class Training:
-    """One side's trainer, its placed train state and jitted step on the case's mesh."""
-
-    side: Side
-    trainer: Trainer
-    initial: Flat
-    """The parameters the state started from (the side's own paths, on the devices)."""
-    state: Any
-    shardings: Any
-    step: Any
-
-    @classmethod
-    def start(
-        cls, side: Side, params: Flat | None = None, micro_batches: int = 1, vocab_tiles: int = 1
-    ) -> Training:
-        """A fresh train state around ``params`` (own paths; default: init from seed 0).
-
-        Raises :class:`~conformance.runtime.backends.TransplantError` if ``params`` do not
-        fit the trainer's model (accumulating or tiling must not change the parameters).
-        """
-        trainer = side.trainer(micro_batches, vocab_tiles)
-        case = side.case
-        param_sh = case.shardings(trainer.runner.logical)
-        if params is None:
-            params = trainer.runner.init(0, param_sh)
-        else:
-            params = transplant(params, {}, trainer.runner.specs, param_sh)
-        shardings = trainer.tree(case.shardings(trainer.logical))
-        state = jax.device_put(trainer.initial_state(params), shardings)
-        return cls(side, trainer, params, state, shardings, trainer.step_fn(shardings))
-
-    def params(self) -> Flat:
-        """The current parameters, in the side's own paths."""
-        return params_of(flat_state(self.state))
-
-    def advance(self, batch: Any) -> StepResult:
-        """One step (the state advances): ``(state, loss, grads)`` by canonical paths."""
-        self.state, metrics = self.step(self.state, batch)
-        return (
-            self.side.canonical(flat_state(self.state)),
-            metrics["loss"],
-            self.side.canonical(flat_state(metrics["grads"])),
-        )
 
 
 def train_pair(

@@ -18,9 +18,9 @@ import traceback
 from pathlib import Path
 from types import FrameType
 
-from conformance.checks.kernel import Training
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES, Side, live_pair
+from conformance.runtime.stepping import Training
 
 _DOING = {
     ("model", "build"): "building the model",

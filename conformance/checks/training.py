@@ -15,11 +15,8 @@ import jax
 from flax import nnx
 
 from conformance.checks.kernel import (
-    StepResult,
-    Training,
     misplaced,
     param_map,
-    params_of,
     steps_agree,
     train_pair,
     train_step_parity,
@@ -38,6 +35,7 @@ from conformance.core.trees import (
 )
 from conformance.runtime.case import Case
 from conformance.runtime.sides import LinenSide, Side, live_pair
+from conformance.runtime.stepping import StepResult, Training, params_of
 from conformance.runtime.training import flat_state, masked_token_loss
 
 MICRO_BATCHES = 4
