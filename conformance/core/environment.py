@@ -7,9 +7,12 @@ harmlessly, from the pytest plugin's ``pytest_configure``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 
 HOST_DEVICE_COUNT = 8
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "aqtp", "maxtext")
+"""The libraries whose versions a run's numbers depend on (reports and references name them)."""
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 XLA_OPT_LEVELS = ("low", "full")
@@ -52,3 +55,14 @@ def set_xla_opt(level: str) -> None:
     import jax
 
     jax.config.update("jax_disable_most_optimizations", level == "low")
+
+
+def library_versions() -> dict[str, str]:
+    """The installed version of each of :data:`LIBRARIES` (those not installed are left out)."""
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
@@ -21,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from conformance.core.environment import library_versions
 from conformance.core.numerics import Mismatch, Tolerance
 from conformance.core.records import Measurement
 
@@ -28,8 +28,6 @@ SCHEMA_ID = "conformance-report/1"
 """The ``schema`` field of every report; ``schema.json`` beside this module describes it."""
 SCHEMA_PATH = Path(__file__).with_name("schema.json")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "qwix", "aqtp", "maxtext")
-
 Json = dict[str, Any]
 
 
@@ -116,12 +114,7 @@ def header(tier: str, meshes: Sequence[str], xla_opt: str, families: Sequence[st
     """A process's run header: library versions, platform and devices, tier and meshes."""
     import jax
 
-    versions = {}
-    for name in LIBRARIES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    versions = library_versions()
     devices = jax.devices()
     return {
         "versions": versions,
