@@ -32,6 +32,7 @@ class TransformerFamily(Family):
         aqt=True,
         vocab_tiling=True,
         fp8=True,
+        recorded=("linen",),
     )
     train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]

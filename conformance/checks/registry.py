@@ -25,6 +25,7 @@ from conformance.checks import (
     invariance,
     quantization,
     raised,
+    recorded,
     state,
     structure,
     training,
@@ -37,7 +38,17 @@ from conformance.runtime import quant
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES
 
-AXES = ("family", "size", "full_size", "mesh", "topology", "scan_layers", "dtype", "quant")
+AXES = (
+    "family",
+    "size",
+    "full_size",
+    "mesh",
+    "topology",
+    "scan_layers",
+    "dtype",
+    "quant",
+    "recorded",
+)
 """The axes a test can be parametrized over, in test-id order."""
 
 Where = Literal["each", "primary", "topology", "none"]
@@ -84,6 +95,9 @@ class Check:
     """The check writes files: it is given a directory every process can share."""
     saved_on: bool = False
     """The check is also given its case on the run's primary mesh (``saved_on``)."""
+    references: bool = False
+    """The check compares with a recorded reference: it is given the recorded backend
+    (``recorded``, an axis) and the directory references live in (``references``)."""
     known_failure: Callable[[Mapping[str, Any]], str | None] | None = None
     """Why a case fails with the pinned libraries (a strict xfail), by its axis values."""
     requires: Callable[[Family], str | None] | None = None
@@ -156,6 +170,8 @@ def _declares_topology_mode(family: Family) -> str | None:
 _ON_MESH = ("family", "mesh", "scan_layers")
 _SIDE_VALUES = tuple(Param(backend, backend) for backend in SIDES)
 _BACKENDS = (("backend", _SIDE_VALUES),)
+_LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDES)),)
+_RECORDED = ("family", "recorded")
 _CONVERSIONS = (
     (
         "layouts",
@@ -300,6 +316,48 @@ CHECKS: dict[str, Check] = {
             where="primary",
             quant_method="ptq",
             workdir=True,
+        ),
+        # recorded references
+        Check(
+            "recorded_forward",
+            recorded.check_recorded_forward,
+            _RECORDED,
+            _LIVE,
+            where="primary",
+            references=True,
+        ),
+        Check(
+            "recorded_train_step",
+            recorded.check_recorded_train_step,
+            _RECORDED,
+            _LIVE,
+            where="primary",
+            references=True,
+        ),
+        Check(
+            "recorded_resume",
+            recorded.check_recorded_resume,
+            _RECORDED,
+            _LIVE,
+            where="primary",
+            references=True,
+        ),
+        Check(
+            "recorded_decode",
+            recorded.check_recorded_decode,
+            _RECORDED,
+            _LIVE,
+            where="primary",
+            capability="decode",
+            references=True,
+        ),
+        Check(
+            "recorded_quant_forward",
+            recorded.check_recorded_quant_forward,
+            ("family", "quant", "recorded"),
+            _LIVE,
+            where="primary",
+            references=True,
         ),
         # sharding invariance
         Check(

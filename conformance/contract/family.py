@@ -28,6 +28,9 @@ QUANTIZATION_MODES = ("qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8")
 """The Qwix modes a family may declare: QAT (fake-quantized forward over float
 parameters) or PTQ (``qvalue`` plus ``scale`` parameters), in int8 or fp8 (e4m3)."""
 
+BACKENDS = ("linen", "nnx")
+"""The backends a family is written for, by id (test ids, checkpoints, references)."""
+
 
 class FamilyError(LookupError):
     """A family name or a family definition is not usable."""
@@ -90,6 +93,10 @@ class Capabilities:
     :meth:`Family.vocab_tiling_config`."""
     fp8: bool = False
     """FP8 training with delayed scaling through :meth:`Family.fp8_config`."""
+    recorded: tuple[str, ...] = ()
+    """Backends (``"linen"``, ``"nnx"``) whose recorded reference the family keeps in the
+    repository (``python -m conformance.record``): the ``recorded_*`` checks compare each
+    live backend with each, so a backend that is gone stays a reference."""
 
     @property
     def preferred_scan_layers(self) -> bool:
@@ -320,6 +327,22 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support vocab tiling ({tiles} tiles)")
+
+    def upgrade_reference(
+        self, leaves: Mapping[str, Any], versions: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """Parameter-shaped leaves of a reference recorded with ``versions``, made current.
+
+        ``leaves`` are host arrays keyed by the canonical (NNX) parameter paths of the
+        release that recorded them (parameters, gradients, or one optimizer slot);
+        ``versions`` are that reference's library and model versions (``{"flax":
+        "0.12.12", "maxtext": "0.2.4", ...}``). Return them keyed by this release's
+        canonical paths, in its shapes: rename, move, reshape or drop the leaves a
+        release changed. Every returned leaf must exist in the live model. Unchanged by
+        default.
+        """
+        del versions
+        return dict(leaves)
 
     def __repr__(self) -> str:
         return f"<Family {self.name}>"

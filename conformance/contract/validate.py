@@ -8,7 +8,7 @@ family with any (:func:`validate`).
 
 from __future__ import annotations
 
-from conformance.contract.family import QUANTIZATION_MODES, Family, FamilyError
+from conformance.contract.family import BACKENDS, QUANTIZATION_MODES, Family, FamilyError
 
 HOOKS: dict[str, str] = {
     "remat": "variant(config, *, remat, dropout)",
@@ -29,8 +29,8 @@ def problems(family: Family) -> list[str]:
     """Everything wrong with ``family``'s declarations, one line each; empty if nothing.
 
     A declared capability without its hook (:data:`HOOKS`), both layer layouts without
-    ``layer_stack_rules``, an unknown quantization mode, no size or layout, and (when
-    the family can run here) a config that is not hashable.
+    ``layer_stack_rules``, an unknown quantization mode or recorded backend, no size or
+    layout, and (when the family can run here) a config that is not hashable.
     """
     caps, name = family.capabilities, family.name
     found = [
@@ -47,6 +47,11 @@ def problems(family: Family) -> list[str]:
         found.append(
             f"family {name!r} declares quantization modes {unknown}; known modes: "
             f"{', '.join(QUANTIZATION_MODES)}"
+        )
+    if unknown := sorted(set(caps.recorded) - set(BACKENDS)):
+        found.append(
+            f"family {name!r} declares recorded references of {unknown}; backends: "
+            f"{', '.join(BACKENDS)}"
         )
     if not caps.scan_layers or not family.sizes:
         found.append(f"family {name!r} declares no layer layout or no size")

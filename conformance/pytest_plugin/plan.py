@@ -113,6 +113,9 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
             return list(LAYOUTS.items())
         case "dtype":
             return list(DTYPES.items())
+        case "recorded":
+            backends = family.capabilities.recorded
+            return [(f"recorded-{b}", b) for b in backends] or [("recorded-none", None)]
         case _:
             modes = [
                 m
@@ -168,6 +171,9 @@ def skip_reason(planned: Planned) -> str | None:
         reason = f"{family.name} declares no {method}quantization mode"
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")
+    if "recorded" in planned.values and planned.values["recorded"] is None:
+        reason = f"{family.name} keeps no recorded reference (Capabilities.recorded)"
+        return _because(family, reason, "recorded")
     params = planned.params.values()
     for layout in (*[s for p in params for s in p.layouts], *check.layouts):
         if (reason := _layout_missing(family, layout)) is not None:

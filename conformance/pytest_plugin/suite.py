@@ -21,6 +21,7 @@ import pytest
 from conformance.checks import registry
 from conformance.core import distributed
 from conformance.core.failure import CheckFailure
+from conformance.core.references import references_root
 from conformance.core.sharding import InsufficientDevices, MeshSpec
 from conformance.pytest_plugin import options
 from conformance.pytest_plugin.goldens import Golden
@@ -196,6 +197,9 @@ def conformance_case(request: pytest.FixtureRequest) -> Bound:
         params["saved_on"] = case.on(run.primary, _devices_or_skip(run.primary))
     if check.workdir:
         params["workdir"] = request.getfixturevalue("shared_tmp_path")
+    if check.references:
+        params["recorded"] = planned.values["recorded"]
+        params["references"] = references_root(run.goldens)
     golden = request.getfixturevalue("golden") if check.golden else None
     return Bound(check, case, params, golden)
 

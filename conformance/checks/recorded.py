@@ -1,0 +1,241 @@
+"""Checks against a recorded reference: a live backend against what a backend once computed.
+
+Each check loads the family's reference recorded from one backend (a
+:class:`~conformance.runtime.recorded.RecordedSide`), gives a live side its parameters
+(through the family's path rules and ``upgrade_reference`` hook) and its batch, runs the
+same computation as recorded, on one device, and compares the two under the tolerance
+policy, reporting leaf, index and both values, and which library versions changed since
+the recording.
+
+The live side runs on one device because the recording did: a bfloat16 or quantized
+result legitimately moves when partitioned (float sums reorder and cross rounding or
+quantization steps), so a mesh run against a one-device recording would cry wolf.
+Partitioning is what ``sharding_invariance`` and the live-pair checks gate.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from conformance.checks.kernel import compared, step_disagreement
+from conformance.core.distributed import host_array
+from conformance.core.failure import fail, fail_if_any
+from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
+from conformance.core.records import emit_verdict
+from conformance.core.trees import specs
+from conformance.runtime.case import BATCH_SIZE, Case
+from conformance.runtime.checkpoints import CheckpointError, cast_counters
+from conformance.runtime.decoding import generate, prompt_batch
+from conformance.runtime.recorded import MissingReference, RecordedSide, load
+from conformance.runtime.recording import DTYPES
+from conformance.runtime.sides import SIDES, Side
+from conformance.runtime.stepping import StepResult, Training
+from conformance.runtime.training import flat_state
+
+
+def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Side, RecordedSide]:
+    """The live side of ``backend`` on ``case``'s one device, and the recorded reference."""
+    case = case.on_one_device()
+    try:
+        reference = load(case.family, recorded, references)
+    except MissingReference as err:
+        fail(str(err))
+    if reference.layout != case.layout:
+        fail(
+            f"{reference.label} was recorded in the {reference.layout} layout; the family "
+            f"now prefers {case.layout}: record it again"
+        )
+    return SIDES[backend](case), reference
+
+
+def _versions(reference: RecordedSide) -> str:
+    changes = reference.version_changes()
+    if not changes:
+        return "recorded with the installed library versions"
+    return "library versions changed since the recording: " + ", ".join(changes)
+
+
+def _failed(live: Side, reference: RecordedSide, message: str) -> None:
+    """Fail with ``message``, the verdict and the library versions that changed."""
+    fail(
+        f"{message}\n  verdict: {live.name} on one device, as recorded, differs from "
+        f"{reference.label}\n  {_versions(reference)}"
+    )
+
+
+def _title(live: Side, reference: RecordedSide, what: str) -> str:
+    return f"{live.name} vs {reference.label}: {what} on one device"
+
+
+def check_recorded_forward(case: Case, backend: str, recorded: str, references: Path) -> None:
+    """The live forward from the recorded parameters equals the recorded logits.
+
+    In float32 and bfloat16; below float32, an element outside tolerance passes when the
+    live side is no farther than the recording from the recorded float32 logits.
+    """
+    live, reference = _pair(case, backend, recorded, references)
+    params = live.place(live.own(reference.params()))
+    batch = live.case.place(reference.batch())
+    wide = reference.logits("forward/float32")
+    names = (reference.name, live.name)
+    for name, dtype in DTYPES.items():
+        side = live.on(live.case.in_dtype(dtype))
+        expected = reference.logits(f"forward/{name}")
+        logits = host_array(side.forward(params, batch)[0]).astype(np.float32)
+        tol = tolerance_for(dtype)
+        title = _title(live, reference, f"{name} forward")
+        found = compare_arrays("logits", expected, logits, tol, None if name == "float32" else wide)
+        emit_verdict(title, "logits", expected, logits, found, names=names, tolerance=tol)
+        if found is not None:
+            _failed(
+                live, reference, report(f"{title} (index: batch, position, vocab)", [found], names)
+            )
+
+
+def _recorded_steps(reference: RecordedSide, first: int) -> list[StepResult]:
+    """The recorded steps from ``first`` on; step 1 with its whole state, others without."""
+    steps = []
+    for step in range(first, reference.steps + 1):
+        loss, grads = reference.step(step)
+        state = reference.state_after_first_step() if step == 1 else {}
+        steps.append((state, loss, grads))
+    return steps
+
+
+def _step_parity(
+    live: Side, reference: RecordedSide, what: str, training: Training, first: int
+) -> None:
+    """Steps ``first`` onward of ``training`` on the recorded batch equal the recorded ones.
+
+    Only step 1 compares the whole state (the recording keeps no other).
+    """
+    batch = live.case.place(reference.batch())
+    for step, want in enumerate(_recorded_steps(reference, first), start=first):
+        state, loss, grads = training.advance(batch)
+        got = (state if step == 1 else {}, loss, grads)
+        title = _title(live, reference, f"{what}, step {step} of {reference.steps}")
+        message = step_disagreement(title, want, got, (reference.name, live.name))
+        if message is not None:
+            _failed(live, reference, message)
+
+
+def check_recorded_train_step(case: Case, backend: str, recorded: str, references: Path) -> None:
+    """Train steps from the recorded parameters equal the recorded ones.
+
+    Every step's loss and gradients, and after step 1 the whole state (parameters, Adam
+    moments, counts, the step counter).
+    """
+    live, reference = _pair(case, backend, recorded, references)
+    training = Training.start(live, live.own(reference.params()))
+    _step_parity(live, reference, "train", training, 1)
+
+
+def _resumed(side: Side, reference: RecordedSide) -> Training:
+    """A live train state holding the recorded state after step 1.
+
+    Every recorded leaf must have a place in the live state, and every live leaf a
+    recorded value of the same shape and dtype (step counters are cast exactly between
+    backends' integer types); otherwise the check fails naming them: a release that
+    moved a variable out of the state would resume it from its initialiser.
+    """
+    training = Training.start(side, side.own(reference.params()))
+    live = specs(flat_state(training.state))
+    try:
+        recorded = cast_counters(side.own(reference.state_after_first_step()), live)
+    except CheckpointError as err:
+        fail(str(err))
+    problems = [
+        f"{p}: recorded, but the live state has no such leaf"
+        for p in sorted(set(recorded) - set(live))
+    ]
+    problems += [
+        f"{p}: in the live state, but not recorded" for p in sorted(set(live) - set(recorded))
+    ]
+    for path in sorted(set(live) & set(recorded)):
+        want, got = live[path], recorded[path]
+        if tuple(want.shape) != got.shape or want.dtype != got.dtype.name:
+            recorded_as, live_as = (
+                f"{got.dtype}{list(got.shape)}",
+                f"{want.dtype}{list(want.shape)}",
+            )
+            problems.append(f"{path}: recorded {recorded_as}, live {live_as}")
+    fail_if_any(f"{side.name} cannot resume from {reference.label}'s one-step state", problems)
+    training.state = jax.device_put(training.trainer.tree(recorded), training.shardings)
+    return training
+
+
+def check_recorded_resume(case: Case, backend: str, recorded: str, references: Path) -> None:
+    """A live train state restored from the recorded one-step state continues as recorded.
+
+    The recorded state after step 1 is placed into a fresh live state (every leaf,
+    nothing left at its initialiser); steps 2 onward equal the recorded ones.
+    """
+    live, reference = _pair(case, backend, recorded, references)
+    training = _resumed(live, reference)
+    _step_parity(live, reference, "resumed from the recorded step 1", training, 2)
+
+
+def _real_prompt(prefill: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Prefill logits with every padding position zeroed: padding is not compared."""
+    real = np.arange(prefill.shape[1])[None, :] < lengths[:, None]
+    return np.where(real[:, :, None], prefill, 0)
+
+
+def check_recorded_decode(case: Case, backend: str, recorded: str, references: Path) -> None:
+    """Prefill and greedy decode from the recorded parameters equal the recorded ones.
+
+    Prefill logits on real prompt tokens, every decode step's logits, and the greedy
+    tokens, for the same prompts (the family's batch must not have changed).
+    """
+    live, reference = _pair(case, backend, recorded, references)
+    decoded = reference.decoded()
+    if decoded is None:
+        fail(f"{reference.label} holds no decode: record it again")
+    family, config = live.case.family, live.case.bound
+    if not np.array_equal(
+        host_array(family.batch(config, BATCH_SIZE).tokens), reference.batch().tokens
+    ):
+        fail(f"{family.name}'s batch changed since {reference.label}: record it again")
+    steps, lengths = decoded["steps"].shape[0], decoded["lengths"]
+    prompt, live_lengths = prompt_batch(family, config, BATCH_SIZE, steps)
+    decoder = live.decoder(BATCH_SIZE)
+    shardings = live.case.shardings(decoder.logical)
+    params = live.place(live.own(reference.params()))
+    generation = generate(decoder, params, prompt, live_lengths, steps, live.case.place, shardings)
+    expected = {
+        "prefill": _real_prompt(decoded["prefill"], lengths),
+        "steps": decoded["steps"],
+        "tokens": decoded["tokens"],
+    }
+    got = {
+        "prefill": _real_prompt(generation.prefill_logits, generation.lengths),
+        "steps": generation.step_logits,
+        "tokens": generation.tokens,
+    }
+    names = (reference.name, live.name)
+    mismatches = compare_trees(expected, got)
+    if mismatches:
+        title = _title(live, reference, "prefill and decode")
+        _failed(live, reference, report(title, mismatches, names))
+
+
+def check_recorded_quant_forward(case: Case, backend: str, recorded: str, references: Path) -> None:
+    """The live quantized forward of the recorded float parameters equals the recorded one."""
+    live, reference = _pair(case, backend, recorded, references)
+    quant = live.case.quant
+    expected = reference.logits(f"quant/{quant}")
+    if expected is None:
+        left_out = "; ".join(reference.reference.manifest.get("not_recorded", ()))
+        fail(f"{reference.label} holds no {quant} logits ({left_out or 'not recorded'})")
+    float_side = live.unquantized()
+    params = float_side.place(float_side.own(reference.params()))
+    batch = live.case.place(reference.batch())
+    logits = host_array(live.forward(live.runner.quantize(params), batch)[0])
+    title = _title(live, reference, f"{quant} forward")
+    names = (reference.name, live.name)
+    found = compared(title, expected, logits, names=names)
+    if found is not None:
+        _failed(live, reference, report(f"{title} (index: batch, position, vocab)", [found], names))

@@ -1,0 +1,98 @@
+"""Record the references a family declares: what one backend computes, kept as files.
+
+Usage: ``python -m conformance.record [--family NAME ...] [--backend {linen,nnx}]
+[--goldens DIR] [--update]``. Each family (default: every registered family that
+declares ``Capabilities.recorded``) is run on one CPU device from each backend it
+declares (or only ``--backend``), and its reference is written to
+``<goldens>/references/<family>/<backend>/``.
+
+A reference is reviewed like a golden, so this never changes one silently: a new
+reference is written, an identical one is left as it is, and one that would change is
+refused unless ``--update`` is given (then explain the change in the commit). Only the
+references asked for are touched; nothing is ever deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from conformance.core.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    cli = argparse.ArgumentParser(
+        prog="python -m conformance.record",
+        description="Record a family's reference from one backend, for the recorded_* checks.",
+    )
+    cli.add_argument(
+        "--family",
+        action="append",
+        default=[],
+        help="family to record (repeatable); default: every family declaring Capabilities.recorded",
+    )
+    cli.add_argument(
+        "--backend",
+        choices=("linen", "nnx"),
+        help="record only this backend; default: each the family declares",
+    )
+    cli.add_argument("--goldens", type=Path, default=Path("goldens"), help="goldens directory")
+    cli.add_argument(
+        "--update", action="store_true", help="replace references whose numbers changed"
+    )
+    cli.add_argument("--xla-opt", choices=XLA_OPT_LEVELS, default="low")
+    return cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Record what was asked; 0 when every reference was written or unchanged, else 1."""
+    args = parser().parse_args(argv)
+    configure_host_platform()
+    set_xla_opt(args.xla_opt)
+    from conformance import contract
+    from conformance.core.references import directory, encode, references_root, write
+    from conformance.runtime.recording import record
+
+    try:
+        families = (
+            [contract.get(name) for name in args.family]
+            if args.family
+            else [f for f in contract.registry().values() if f.capabilities.recorded]
+        )
+    except contract.FamilyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    refused = 0
+    for family in families:
+        declared = family.capabilities.recorded
+        backends = declared if args.backend is None else (args.backend,)
+        if not set(backends) <= set(declared):
+            print(
+                f"error: {family.name} declares recorded references of {list(declared)}, "
+                f"not {args.backend}: a reference it does not declare would be unused",
+                file=sys.stderr,
+            )
+            return 2
+        if (reason := family.unavailable()) is not None:
+            print(f"error: {family.name}: {reason}", file=sys.stderr)
+            return 2
+        for backend in backends:
+            where = directory(references_root(args.goldens), family.name, backend)
+            reference = record(family, backend)
+            files = encode(reference)
+            old = {n: (where / n).read_bytes() for n in files if (where / n).is_file()}
+            if old == files:
+                print(f"{where}: unchanged")
+            elif old and not args.update:
+                refused += 1
+                print(
+                    f"{where}: the recorded numbers changed; not written (rerun with "
+                    "--update to replace it, and explain the change in the commit)"
+                )
+            else:
+                write(where, reference)
+                print(f"{where}: {'updated' if old else 'new'}")
+    return 1 if refused else 0
