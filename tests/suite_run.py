@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from conformance.checks import registry
 from conformance.contract import Family
+from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
 
 TOPOLOGY = parse_mesh("4x8x8")
@@ -45,6 +46,9 @@ def run_check(
         params["workdir"] = workdir
     if check.saved_on:
         params["saved_on"] = case.on(mesh)
+    if check.references:
+        params.setdefault("recorded", "linen")
+        params["references"] = references_root(Path(__file__).parent.parent / "goldens")
     return check(case, **params)
 
 

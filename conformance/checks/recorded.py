@@ -25,11 +25,11 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
-from conformance.core.trees import specs
+from conformance.core.trees import Flat, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
 from conformance.runtime.decoding import generate, prompt_batch
-from conformance.runtime.recorded import MissingReference, RecordedSide, load
+from conformance.runtime.recorded import RECORD_COMMAND, MissingReference, RecordedSide, load
 from conformance.runtime.recording import DTYPES
 from conformance.runtime.sides import SIDES, Side
 from conformance.runtime.stepping import StepResult, Training
@@ -51,11 +51,21 @@ def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Si
     return SIDES[backend](case), reference
 
 
+def _params(live: Side, reference: RecordedSide) -> Flat:
+    """The recorded parameters placed on ``live``'s device; every leaf must fit, or it fails."""
+    return live.place(live.own(reference.params()))
+
+
 def _versions(reference: RecordedSide) -> str:
     changes = reference.version_changes()
     if not changes:
         return "recorded with the installed library versions"
-    return "library versions changed since the recording: " + ", ".join(changes)
+    return (
+        "library versions changed since the recording: "
+        + ", ".join(changes)
+        + f"; if the new numbers are intended, re-record: {RECORD_COMMAND} --family "
+        + f"{reference.family.name} --backend {reference.backend} --update"
+    )
 
 
 def _failed(live: Side, reference: RecordedSide, message: str) -> None:
@@ -77,7 +87,7 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
     live side is no farther than the recording from the recorded float32 logits.
     """
     live, reference = _pair(case, backend, recorded, references)
-    params = live.place(live.own(reference.params()))
+    params = _params(live, reference)
     batch = live.case.place(reference.batch())
     wide = reference.logits("forward/float32")
     names = (reference.name, live.name)
@@ -129,7 +139,7 @@ def check_recorded_train_step(case: Case, backend: str, recorded: str, reference
     moments, counts, the step counter).
     """
     live, reference = _pair(case, backend, recorded, references)
-    training = Training.start(live, live.own(reference.params()))
+    training = Training.start(live, _params(live, reference))
     _step_parity(live, reference, "train", training, 1)
 
 
@@ -141,7 +151,7 @@ def _resumed(side: Side, reference: RecordedSide) -> Training:
     backends' integer types); otherwise the check fails naming them: a release that
     moved a variable out of the state would resume it from its initialiser.
     """
-    training = Training.start(side, side.own(reference.params()))
+    training = Training.start(side, _params(side, reference))
     live = specs(flat_state(training.state))
     try:
         recorded = cast_counters(side.own(reference.state_after_first_step()), live)
@@ -203,7 +213,7 @@ def check_recorded_decode(case: Case, backend: str, recorded: str, references: P
     prompt, live_lengths = prompt_batch(family, config, BATCH_SIZE, steps)
     decoder = live.decoder(BATCH_SIZE)
     shardings = live.case.shardings(decoder.logical)
-    params = live.place(live.own(reference.params()))
+    params = _params(live, reference)
     generation = generate(decoder, params, prompt, live_lengths, steps, live.case.place, shardings)
     expected = {
         "prefill": _real_prompt(decoded["prefill"], lengths),
@@ -231,7 +241,7 @@ def check_recorded_quant_forward(case: Case, backend: str, recorded: str, refere
         left_out = "; ".join(reference.reference.manifest.get("not_recorded", ()))
         fail(f"{reference.label} holds no {quant} logits ({left_out or 'not recorded'})")
     float_side = live.unquantized()
-    params = float_side.place(float_side.own(reference.params()))
+    params = _params(float_side, reference)
     batch = live.case.place(reference.batch())
     logits = host_array(live.forward(live.runner.quantize(params), batch)[0])
     title = _title(live, reference, f"{quant} forward")

@@ -1,13 +1,22 @@
 """Planted faults: deliberate divergences, each injected into one side, by area.
 
 Each area module (:mod:`tests.faults.structure`, ``forward``, ``training``, ``state``,
-``decode``, ``quantization``, ``checkpoints``) pairs its faults with the check that
+``decode``, ``quantization``, ``checkpoints``, ``recorded``) pairs its faults with the check that
 must catch them and the words (leaf path first) the failure report must contain.
 """
 
 from __future__ import annotations
 
-from tests.faults import checkpoints, decode, forward, quantization, state, structure, training
+from tests.faults import (
+    checkpoints,
+    decode,
+    forward,
+    quantization,
+    recorded,
+    state,
+    structure,
+    training,
+)
 from tests.faults.fault import Fault
 
 FAULTS: tuple[Fault, ...] = (
@@ -18,5 +27,6 @@ FAULTS: tuple[Fault, ...] = (
     *decode.FAULTS,
     *quantization.FAULTS,
     *checkpoints.FAULTS,
+    *recorded.FAULTS,
 )
 """Every planted fault, by area."""

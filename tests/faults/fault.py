@@ -70,7 +70,7 @@ class Fault:
 
     @property
     def id(self) -> str:
-        """Test id: the fault's class name, or the check and what was replaced."""
+        """Test id: the check and the fault's class name, or what was replaced."""
         if self.seams:
             planted = ",".join(f"{k}={v.__name__.lstrip('_')}" for k, v in self.seams.items())
             return f"{self.check}:{planted}"
@@ -78,7 +78,7 @@ class Fault:
             owner, name, replacement = self.model_patch
             where = owner.__name__.rsplit(".", 1)[-1]
             return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}"
-        return type(self.family).__name__
+        return f"{self.check}:{type(self.family).__name__}"
 
 
 class NnxConfigFault:
