@@ -15,6 +15,7 @@ from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
 
 TOPOLOGY = parse_mesh("4x8x8")
+REPOSITORY = Path(__file__).parent.parent
 
 
 def run_check(
@@ -26,8 +27,13 @@ def run_check(
     size: str = "tiny",
     quant: str | None = None,
     params: Mapping[str, Any] | None = None,
+    references: Path | None = None,
 ) -> Any:
-    """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32."""
+    """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32.
+
+    A check against a recorded reference reads it from ``references`` (default: the
+    repository's), recorded from Linen unless ``params`` say otherwise.
+    """
     check = registry.get(name)
     params = dict(params or {})
     values = {
@@ -48,7 +54,7 @@ def run_check(
         params["saved_on"] = case.on(mesh)
     if check.references:
         params.setdefault("recorded", "linen")
-        params["references"] = references_root(Path(__file__).parent.parent / "goldens")
+        params["references"] = references or references_root(REPOSITORY / "goldens")
     return check(case, **params)
 
 

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def read(path: Path) -> Reference:
             }
     except FileNotFoundError:
         raise ReferenceError(f"{path / ARRAYS}: missing beside its manifest") from None
-    except (OSError, ValueError, zipfile.BadZipFile) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
         raise ReferenceError(f"{path / ARRAYS}: unreadable ({err})") from None
     for name, array in arrays.items():
         if _entry(array) != listed[name]:
