@@ -266,3 +266,22 @@ def test_the_report_carries_measurements_from_xdist_workers(pytester):
     assert measured["passed"]
     assert 0 < measured["used"] < 1
     assert "| gpt3 | 1/1 | 0/1 (1f) |" in (out / "report.md").read_text()
+
+
+def test_undeclared_reference_fails_the_run_and_is_not_deleted(pytester):
+    import shutil
+
+    from tests.suite_run import REPOSITORY
+
+    pytester.makeini("[pytest]\nconformance_goldens = goldens\n")
+    source = REPOSITORY / "goldens/references/gpt3/linen"
+    for backend in ("linen", "nnx"):
+        shutil.copytree(source, pytester.path / f"goldens/references/gpt3/{backend}")
+    result = pytester.runpytest(
+        "--pyargs", "conformance.suite", "--conformance-family", "gpt3", "-k", "recorded_forward"
+    )
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*unused goldens*", "*goldens/references/gpt3/nnx/manifest.json"])
+    assert "gpt3/linen" not in result.stdout.str().split("unused goldens")[-1]
+    assert (pytester.path / "goldens/references/gpt3/nnx/manifest.json").exists()

@@ -22,6 +22,7 @@ from syrupy.location import PyTestLocation
 from syrupy.types import SerializableData, SnapshotIndex
 
 from conformance.core.goldens import SUFFIX, GoldenError, dumps, load, normalise
+from conformance.core.references import MANIFEST, references_root
 from conformance.pytest_plugin import options
 
 
@@ -102,6 +103,9 @@ def unused_goldens(
 ) -> list[Path]:
     """Golden files under ``root`` no collected test claims, within what this run could claim.
 
+    A recorded reference counts as its manifest, claimed by the checks that compare with
+    it: one a family no longer declares (or of a family that is gone) is unused too.
+
     A run narrowed by node id or by ``--mesh``/``--topology`` checks nothing (it cannot
     know what the rest of the suite claims); a run narrowed by ``--family`` checks only
     those families (``families`` are the run's); ``-k``/``-m`` do not narrow (claims are
@@ -110,8 +114,14 @@ def unused_goldens(
     narrowed = any("::" in arg for arg in config.args)
     if narrowed or options.value(config, "mesh") or options.value(config, "topology"):
         return []
-    checks = {(p.parent.parent.name, p.parent.name) for p in claimed}
+    references = references_root(root)
+    goldens = {p for p in claimed if not p.is_relative_to(references)}
+    checks = {(p.parent.parent.name, p.parent.name) for p in goldens}
     on_disk = {p for fam, check in checks for p in (root / fam / check).glob(f"*{SUFFIX}")}
+    recorded = {p.parent.parent.name for p in claimed - goldens}
+    manifests = set(references.glob(f"*/*/{MANIFEST}"))
+    on_disk |= {p for p in manifests if p.parent.parent.name in recorded}
     if not options.value(config, "family") and claimed:
         on_disk |= {p for p in root.glob(f"*/*/*{SUFFIX}") if p.parent.parent.name not in families}
+        on_disk |= {p for p in manifests if p.parent.parent.name not in families}
     return sorted(on_disk - claimed)

@@ -25,6 +25,7 @@ from conformance.checks.registry import (
     expected_failure,
 )
 from conformance.contract import Family
+from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
 from conformance.pytest_plugin.session import DTYPES, LAYOUTS, Settings, settings
 from conformance.runtime.quant import MODES
@@ -76,6 +77,13 @@ class Planned:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
         return root / self.family.name / self.check.name / f"{case}.json"
+
+    def reference(self, root: Path) -> Path | None:
+        """The manifest of the recorded reference it compares with, if any (``root``: goldens)."""
+        recorded = self.values.get("recorded")
+        if not self.check.references or recorded is None:
+            return None
+        return directory(references_root(root), self.family.name, recorded) / MANIFEST
 
     def group(self, primary: MeshSpec) -> Group:
         """Its group of tests sharing programs: family, layout and device mesh.

@@ -88,8 +88,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         config.stash[_COLLECTED].add(planned.family.name)
-        if (path := planned.golden(run.goldens)) is not None:
-            config.stash[CLAIMED].add(path)
+        for path in (planned.golden(run.goldens), planned.reference(run.goldens)):
+            if path is not None:
+                config.stash[CLAIMED].add(path)
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
     if left_out:
