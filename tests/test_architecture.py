@@ -36,6 +36,7 @@ ALLOWED = {
     "__init__": set(),
     "__main__": {"cli"},
     "convert": {"cli"},
+    "record": {"cli"},
 }
 """What each top-level part of ``conformance`` may import of the others (and itself)."""
 

@@ -19,9 +19,12 @@ from conformance import contract
 from conformance.contract import Family
 from conformance.core import distributed, programs
 from conformance.core.environment import configure_host_platform, set_xla_opt
+from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
 from conformance.pytest_plugin import options
 from conformance.pytest_plugin.tiers import Tier
+from conformance.runtime.recorded import MissingReference, load
+from conformance.runtime.sides import SIDES
 
 DTYPES = {"f32": jax.numpy.float32, "bf16": jax.numpy.bfloat16}
 LAYOUTS = {"loop": False, "scan": True}
@@ -51,7 +54,7 @@ class Settings:
         return self.run_meshes[0]
 
     def header(self) -> list[str]:
-        """Two lines saying what the run covers: tier, meshes, families, devices."""
+        """Lines saying what the run covers: tier, meshes, families, devices, references."""
         tier = self.tier
         kept = [
             f"meshes {', '.join(m.id for m in self.run_meshes)}",
@@ -61,11 +64,27 @@ class Settings:
             "expected failures run" if tier.expected_failures else "expected failures left out",
         ]
         families = ", ".join(f.name for f in self.families) or "none"
-        return [
+        lines = [
             f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
             f"conformance: families {families}; XLA optimisation {self.xla_opt}; "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
         ]
+        if recorded := self._recorded():
+            lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
+        return lines
+
+    def _recorded(self) -> list[str]:
+        """``gpt3: Linen and NNX vs recorded Linen (flax ..., jax ...)`` per reference."""
+        live = " and ".join(side.name for side in SIDES.values())
+        found = []
+        for family in self.families:
+            for backend in family.capabilities.recorded:
+                try:
+                    label = load(family, backend, references_root(self.goldens)).label
+                except MissingReference:
+                    label = f"recorded {SIDES[backend].name} (missing)"
+                found.append(f"{family.name}: {live} vs {label}")
+        return found
 
 
 _SETTINGS = pytest.StashKey[Settings]()
