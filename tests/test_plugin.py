@@ -268,7 +268,7 @@ def test_the_report_carries_measurements_from_xdist_workers(pytester):
     assert "| gpt3 | 1/1 | 0/1 (1f) |" in (out / "report.md").read_text()
 
 
-def test_undeclared_reference_fails_the_run_and_is_not_deleted(pytester):
+def test_reference_of_other_versions_passes_and_an_undeclared_one_is_unused(pytester):
     import shutil
 
     from tests.suite_run import REPOSITORY
@@ -277,11 +277,20 @@ def test_undeclared_reference_fails_the_run_and_is_not_deleted(pytester):
     source = REPOSITORY / "goldens/references/gpt3/linen"
     for backend in ("linen", "nnx"):
         shutil.copytree(source, pytester.path / f"goldens/references/gpt3/{backend}")
+    manifest = pytester.path / "goldens/references/gpt3/linen/manifest.json"
+    manifest.write_text(manifest.read_text().replace('"optax": "', '"optax": "0.0.1-was-'))
     result = pytester.runpytest(
         "--pyargs", "conformance.suite", "--conformance-family", "gpt3", "-k", "recorded_forward"
     )
     result.assert_outcomes(passed=2)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
-    result.stdout.fnmatch_lines(["*unused goldens*", "*goldens/references/gpt3/nnx/manifest.json"])
+    result.stdout.fnmatch_lines(
+        [
+            "*gpt3: Linen and NNX vs recorded Linen (flax *, jax *) [versions differ: optax "
+            "0.0.1-was-* -> *]*",
+            "*unused goldens*",
+            "*goldens/references/gpt3/nnx/manifest.json",
+        ]
+    )
     assert "gpt3/linen" not in result.stdout.str().split("unused goldens")[-1]
     assert (pytester.path / "goldens/references/gpt3/nnx/manifest.json").exists()

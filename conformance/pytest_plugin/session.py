@@ -74,15 +74,23 @@ class Settings:
         return lines
 
     def _recorded(self) -> list[str]:
-        """``gpt3: Linen and NNX vs recorded Linen (flax ..., jax ...)`` per reference."""
+        """``gpt3: Linen and NNX vs recorded Linen (flax ..., jax ...)`` per reference.
+
+        A reference recorded with other library versions lists them: it is compared
+        within the tolerance policy all the same.
+        """
         live = " and ".join(side.name for side in SIDES.values())
         found = []
         for family in self.families:
             for backend in family.capabilities.recorded:
                 try:
-                    label = load(family, backend, references_root(self.goldens)).label
+                    reference = load(family, backend, references_root(self.goldens))
                 except MissingReference:
                     label = f"recorded {SIDES[backend].name} (missing)"
+                else:
+                    label = reference.label
+                    if changes := reference.version_changes():
+                        label += f" [versions differ: {', '.join(changes)}]"
                 found.append(f"{family.name}: {live} vs {label}")
         return found
 

@@ -126,6 +126,10 @@ class RecordedSide:
             rest |= {f"{prefix}{p}": v for p, v in self._upgraded(leaves).items()}
         return rest
 
+    def state_kinds(self) -> Mapping[str, str]:
+        """Each recorded state leaf's kind (``Param``, ``OptState``, a Variable type's name)."""
+        return self.reference.manifest.get("state_kinds", {})
+
     def decoded(self) -> Flat | None:
         """``lengths``, ``prefill``, ``steps`` and ``tokens`` of its decode, if recorded."""
         found = _under(self.reference.arrays, "decode")
@@ -140,7 +144,7 @@ def load(family: Family, backend: str, root: Path) -> RecordedSide:
     """The reference of ``family`` recorded from ``backend`` under ``root``.
 
     Raises :class:`MissingReference` in one line, with the command that records it,
-    when the files are missing, corrupted or belong to another family or backend.
+    when the files are missing, corrupted or belong to another family, size or backend.
     """
     where = directory(root, family.name, backend)
     again = f"record it with: {RECORD_COMMAND} --family {family.name} --backend {backend}"
@@ -149,7 +153,12 @@ def load(family: Family, backend: str, root: Path) -> RecordedSide:
     except ReferenceError as err:
         raise MissingReference(f"{err}; {again}") from None
     manifest = reference.manifest
-    expected = {"format": FORMAT, "family": family.name, "backend": backend}
+    expected = {
+        "format": FORMAT,
+        "family": family.name,
+        "size": family.device_size,
+        "backend": backend,
+    }
     wrong = {k: manifest.get(k) for k, v in expected.items() if manifest.get(k) != v}
     if wrong:
         raise MissingReference(f"{where}: manifest says {wrong}, expected {expected}; {again}")
