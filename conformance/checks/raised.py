@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 from conformance.runtime.case import Case
-from conformance.runtime.sides import SIDES, Side, live_pair
+from conformance.runtime.sides import SIDES, Side, live_sides
 from conformance.runtime.stepping import Training
 
 _DOING = {
@@ -216,7 +216,7 @@ def report(case: Case, error: BaseException) -> str | None:
     raised = raised_in(error)
     if raised is None:
         return None
-    sides = {side.name: side for side in live_pair(case)}
+    sides = {side.name: side for side in live_sides(case)}
     trainer = raised.doing in _TRAINER_STEPS
     probed = _MODEL_STEPS + (_TRAINER_STEPS if trainer else ())
     lines = [

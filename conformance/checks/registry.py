@@ -95,6 +95,9 @@ class Check:
     """The check writes files: it is given a directory every process can share."""
     saved_on: bool = False
     """The check is also given its case on the run's primary mesh (``saved_on``)."""
+    pair: bool = True
+    """The check compares a live Linen side with a live NNX side: a family without Linen
+    skips it (a check parametrized by ``backend`` skips only its Linen tests)."""
     references: bool = False
     """The check compares with a recorded reference: it is given the recorded backend
     (``recorded``, an axis) and the directory references live in (``references``)."""
@@ -229,6 +232,7 @@ CHECKS: dict[str, Check] = {
             _BACKENDS,
             workdir=True,
             saved_on=True,
+            pair=False,
         ),
         Check(
             "checkpoint_conversion",
@@ -264,8 +268,9 @@ CHECKS: dict[str, Check] = {
             where="none",
             devices=False,
             golden=True,
+            pair=False,
         ),
-        Check("sharding", structure.check_sharding, _ON_MESH, golden=True),
+        Check("sharding", structure.check_sharding, _ON_MESH, golden=True, pair=False),
         Check(
             "sharding_topology",
             structure.check_sharding,
@@ -273,6 +278,7 @@ CHECKS: dict[str, Check] = {
             where="topology",
             devices=False,
             golden=True,
+            pair=False,
         ),
         # quantization
         Check(
@@ -325,6 +331,7 @@ CHECKS: dict[str, Check] = {
             _LIVE,
             where="primary",
             references=True,
+            pair=False,
         ),
         Check(
             "recorded_train_step",
@@ -333,6 +340,7 @@ CHECKS: dict[str, Check] = {
             _LIVE,
             where="primary",
             references=True,
+            pair=False,
         ),
         Check(
             "recorded_resume",
@@ -341,6 +349,7 @@ CHECKS: dict[str, Check] = {
             _LIVE,
             where="primary",
             references=True,
+            pair=False,
         ),
         Check(
             "recorded_decode",
@@ -350,6 +359,7 @@ CHECKS: dict[str, Check] = {
             where="primary",
             capability="decode",
             references=True,
+            pair=False,
         ),
         Check(
             "recorded_quant_forward",
@@ -358,6 +368,7 @@ CHECKS: dict[str, Check] = {
             _LIVE,
             where="primary",
             references=True,
+            pair=False,
         ),
         # sharding invariance
         Check(
@@ -365,6 +376,7 @@ CHECKS: dict[str, Check] = {
             invariance.check_sharding_invariance,
             _ON_MESH,
             _BACKENDS,
+            pair=False,
         ),
         # state hygiene outside training
         Check(
@@ -374,6 +386,7 @@ CHECKS: dict[str, Check] = {
             where="none",
             devices=False,
             workdir=True,
+            pair=False,
         ),
         # training
         Check("train_step", training.check_train_step, _ON_MESH),

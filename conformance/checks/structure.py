@@ -19,7 +19,7 @@ from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import map_paths, structure_diff
 from conformance.runtime.case import Case
-from conformance.runtime.sides import Side, live_pair
+from conformance.runtime.sides import Side, live_pair, live_sides
 
 INIT_Z = 6.0
 """Init check bound: per-leaf means and stds may differ by this many standard errors."""
@@ -28,17 +28,20 @@ INIT_Z = 6.0
 def check_structure(case: Case) -> dict[str, Any]:
     """Both sides have the same leaves, shapes and dtypes after the path map.
 
+    Without Linen, only NNX's payload is compared, with the golden.
+
     Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
     NNX model's RNG stream variables, which have no Linen counterpart and which train
     states leave out (see :mod:`conformance.runtime.training`).
     """
-    linen, nnx_ = (side.runner for side in live_pair(case))
-    rules = case.family.path_rules(case.bound)
-    mapping = map_paths(rules, linen.specs)
-    linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
-    problems = structure_diff(linen.specs, nnx_.specs, mapping, linen_held, nnx_.held)
-    counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
-    fail_if_any(f"{len(problems)} difference(s) ({counts})", problems)
+    *others, nnx_ = (side.runner for side in live_sides(case))
+    for linen in others:
+        rules = case.family.path_rules(case.bound)
+        mapping = map_paths(rules, linen.specs)
+        linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
+        problems = structure_diff(linen.specs, nnx_.specs, mapping, linen_held, nnx_.held)
+        counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
+        fail_if_any(f"{len(problems)} difference(s) ({counts})", problems)
     return {
         "leaf_count": len(nnx_.specs),
         "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
@@ -54,6 +57,8 @@ def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]
 def check_sharding(case: Case) -> dict[str, Any]:
     """Both sides resolve to the same PartitionSpec per leaf, and every split is even.
 
+    Without Linen, NNX is compared with itself (every split even) and with the golden.
+
     On a device mesh, both sides are also initialised there and every array is checked
     to be placed with its resolved spec; on an abstract one (a production topology)
     nothing is allocated. Returns the golden payload.
@@ -65,11 +70,13 @@ def check_sharding(case: Case) -> dict[str, Any]:
             "axis_rules(config) of the device size differ from logical_axis_rules(), "
             "which every array placed on devices follows"
         )
-    linen, nnx_ = live_pair(case)
-    mapping = param_map(linen, nnx_)
-    linen_specs, nnx_specs = agreed_specs(_parameters(linen), _parameters(nnx_), mapping, rules)
+    sides = live_sides(case)
+    nnx_ = sides[-1]
+    mapping = param_map(sides[0], nnx_)
+    both = agreed_specs(_parameters(sides[0]), _parameters(nnx_), mapping, rules)
+    nnx_specs = both[1]
     if case.devices is not None:
-        for side, specs in ((linen, linen_specs), (nnx_, nnx_specs)):
+        for side, specs in zip(sides, both, strict=False):
             _check_placement(side, specs)
     return {
         "mesh": dict(case.mesh.axes),

@@ -107,10 +107,11 @@ class Capabilities:
 class Family(abc.ABC):
     """One model family, written for both backends: the whole contract with the harness.
 
-    Required: :attr:`name`, :meth:`config`, :meth:`linen_module`, :meth:`nnx_module`,
-    :meth:`batch` and :meth:`logical_axis_rules`. Everything else has a default that
-    suits a family which ignores it, or is guarded by a :class:`Capabilities` field
-    whose tests skip, with the reason, when the family does not declare it.
+    Required: :attr:`name`, :meth:`config`, :meth:`linen_module` (unless Linen was
+    deleted: see there), :meth:`nnx_module`, :meth:`batch` and
+    :meth:`logical_axis_rules`. Everything else has a default that suits a family which
+    ignores it, or is guarded by a :class:`Capabilities` field whose tests skip, with
+    the reason, when the family does not declare it.
 
     Configs must be hashable (a frozen dataclass is): the harness builds each side once
     per config and reuses it. Init and evaluation must be deterministic: the same seed
@@ -177,6 +178,11 @@ class Family(abc.ABC):
     """Linen RNG streams a training forward draws (``("dropout",)``); none by default.
     Each step passes one key per stream, derived from the step counter."""
 
+    persistent_state: tuple[type, ...] = ()
+    """NNX Variable types beside ``nnx.Param`` that are persistent model state (MaxText's
+    ``MoEBiasVar``): the train state keeps them, a recorded one-step state must hold them
+    (``recorded_resume``), and ``hygiene`` does not report them as transient."""
+
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
 
@@ -193,9 +199,21 @@ class Family(abc.ABC):
         deterministically (no dropout: :meth:`variant` turns it on).
         """
 
-    @abc.abstractmethod
     def linen_module(self, config: Any) -> nn.Module:
-        """Return the Linen module for ``config``."""
+        """Return the Linen module for ``config``.
+
+        A family whose Linen implementation was deleted does not define it, and declares
+        the references recorded while it existed (:attr:`Capabilities.recorded`): its NNX
+        side is then compared with those and with its goldens, and every check that
+        needs a live Linen side skips saying so (see :attr:`has_linen`).
+        """
+        del config
+        raise FamilyError(f"{self.name} has no Linen module (Family.linen_module is not defined)")
+
+    @property
+    def has_linen(self) -> bool:
+        """Whether the family defines :meth:`linen_module` (a live Linen side exists)."""
+        return type(self).linen_module is not Family.linen_module
 
     @abc.abstractmethod
     def nnx_module(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:

@@ -29,8 +29,9 @@ def problems(family: Family) -> list[str]:
     """Everything wrong with ``family``'s declarations, one line each; empty if nothing.
 
     A declared capability without its hook (:data:`HOOKS`), both layer layouts without
-    ``layer_stack_rules``, an unknown quantization mode or recorded backend, no size or
-    layout, and (when the family can run here) a config that is not hashable.
+    ``layer_stack_rules``, an unknown quantization mode or recorded backend, no Linen
+    module and no recorded reference, no size or layout, and (when the family can run
+    here) a config that is not hashable.
     """
     caps, name = family.capabilities, family.name
     found = [
@@ -52,6 +53,11 @@ def problems(family: Family) -> list[str]:
         found.append(
             f"family {name!r} declares recorded references of {unknown}; backends: "
             f"{', '.join(BACKENDS)}"
+        )
+    if not family.has_linen and not caps.recorded:
+        found.append(
+            f"family {name!r} defines no linen_module and declares no recorded reference "
+            "(Capabilities.recorded): its NNX side has nothing to be compared with"
         )
     if not caps.scan_layers or not family.sizes:
         found.append(f"family {name!r} declares no layer layout or no size")

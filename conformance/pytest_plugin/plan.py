@@ -164,8 +164,10 @@ def skip_reason(planned: Planned) -> str | None:
     """Why the family cannot run this test, in one line; ``None`` if it can.
 
     In order: the family is unavailable here, lacks a layer layout the test runs in or
-    needs, declares no quantization mode of the check's method, lacks a capability (with
-    its ``unsupported`` reason), or the check's own requirement says why not.
+    needs, declares no quantization mode of the check's method, has no Linen module for a
+    test that runs one, keeps no recorded reference for a test that compares with one,
+    lacks a capability (with its ``unsupported`` reason), or the check's own requirement
+    says why not.
     """
     family, check = planned.family, planned.check
     if (reason := family.unavailable()) is not None:
@@ -179,6 +181,13 @@ def skip_reason(planned: Planned) -> str | None:
         reason = f"{family.name} declares no {method}quantization mode"
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")
+    backend = planned.params.get("backend")
+    if not family.has_linen and (check.pair or (backend is not None and backend.value == "linen")):
+        reason = (
+            f"{family.name} has no Linen module (Linen was deleted): its NNX side is "
+            "compared with its recorded references (recorded_*) and its goldens"
+        )
+        return _because(family, reason, check.name)
     if "recorded" in planned.values and planned.values["recorded"] is None:
         reason = f"{family.name} keeps no recorded reference (Capabilities.recorded)"
         return _because(family, reason, "recorded")

@@ -234,3 +234,8 @@ SIDES: dict[str, type[Side]] = {side.backend: side for side in (LinenSide, NnxSi
 def live_pair(case: Case) -> tuple[Side, Side]:
     """``(Linen, NNX)`` of ``case``: the pair every cross-backend check compares."""
     return LinenSide(case), NnxSide(case)
+
+
+def live_sides(case: Case) -> tuple[Side, ...]:
+    """The live sides of ``case``: Linen and NNX, or NNX alone when Linen was deleted."""
+    return live_pair(case) if case.family.has_linen else (NnxSide(case),)
