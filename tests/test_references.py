@@ -98,7 +98,9 @@ def test_the_recorder_never_replaces_changed_numbers_silently(tmp_path, capsys):
     tampered = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
     (where / MANIFEST).write_text(tampered)
     assert record_main(args) == 1
-    assert "not written (rerun with --update" in capsys.readouterr().out
+    assert "the recorded manifest changed; not written (rerun with --update" in (
+        capsys.readouterr().out
+    )
     assert (where / MANIFEST).read_text() == tampered
     assert record_main([*args, "--update"]) == 0
     assert capsys.readouterr().out.strip().endswith(": updated")

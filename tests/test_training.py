@@ -5,9 +5,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from conformance import families
+from conformance.core.sharding import parse_mesh
 from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer, step_streams
+from tests.faults.training import StrayCounterBesideRngs
+from tests.suite_run import run_check
 
 
 def _dropout_config():
@@ -66,3 +70,15 @@ def test_fp8_refuses_micro_batches(trainer):
     config = family.fp8_config(family.config("tiny", scan_layers=False))
     with pytest.raises(ValueError, match="cannot accumulate gradients over micro-batches"):
         trainer(family, config, 4)
+
+
+class CounterDeclaredPersistent(StrayCounterBesideRngs):
+    """The stray counter of the hygiene fault, declared persistent model state."""
+
+    persistent_state = (nnx.BatchStat,)
+
+
+def test_hygiene_accepts_declared_persistent_state(tmp_path):
+    run_check(
+        "hygiene", CounterDeclaredPersistent(), tmp_path, parse_mesh("data=2,fsdp=2,tensor=2")
+    )

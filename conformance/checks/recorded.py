@@ -52,8 +52,27 @@ def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Si
 
 
 def _params(live: Side, reference: RecordedSide) -> Flat:
-    """The recorded parameters placed on ``live``'s device; every leaf must fit, or it fails."""
-    return live.place(live.own(reference.params()))
+    """The recorded parameters placed on ``live``'s device; every leaf must fit, or it fails.
+
+    A leaf that changed collection since the recording (a parameter that became another
+    Variable type of the train state, or the reverse) is named as such first.
+    """
+    params = live.own(reference.params())
+    held = set(live.runner.specs)
+    live_kinds = live.trainer().kinds
+    recorded_kinds = live.own(dict(reference.state_kinds()))
+    moved = [
+        f"{path}: recorded as Param, live as {live_kinds[f'model/{path}']} (changed collection)"
+        for path in sorted(set(params) - held)
+        if live_kinds.get(f"model/{path}", "Param") != "Param"
+    ]
+    moved += [
+        f"{path}: recorded as {recorded_kinds[f'model/{path}']}, live as Param (changed collection)"
+        for path in sorted(held - set(params))
+        if recorded_kinds.get(f"model/{path}", "Param") != "Param"
+    ]
+    fail_if_any(f"{live.name} cannot take the parameters of {reference.label}", moved)
+    return live.place(params)
 
 
 def _versions(reference: RecordedSide) -> str:

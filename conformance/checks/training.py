@@ -226,12 +226,16 @@ def check_layout(case: Case, variant: str) -> None:
         )
 
 
-def _nnx_transients(state: nnx.State) -> list[str]:
-    """Leaves of an NNX state that are not parameters or optimizer state, with their type."""
+def _nnx_transients(state: nnx.State, declared: tuple[type, ...]) -> list[str]:
+    """Leaves of an NNX state that are not persistent state, with their type.
+
+    Persistent: parameters, optimizer state and the ``declared`` types
+    (:attr:`Family.persistent_state`).
+    """
     return [
         f"{path}: {variable_kind(var)} is not persistent state"
         for path, var in flatten_state(state).items()
-        if not isinstance(var, PERSISTENT)
+        if not isinstance(var, (*PERSISTENT, *declared))
     ]
 
 
@@ -239,7 +243,8 @@ def check_hygiene(case: Case) -> None:
     """A step returns exactly the state it was given: nothing transient, nothing lost.
 
     On each backend: the returned state has the input's paths, shapes, dtypes, leaf
-    count and shardings; (NNX) it holds only parameters and optimizer state, no
+    count and shardings; (NNX) it holds only parameters, optimizer state and the
+    family's declared :attr:`~Family.persistent_state` types, no
     ``nnx.Intermediate`` or Variable type made by sowing under a string name; the state
     and its sharding tree have equal leaf counts; and the step leaks no tracer
     (``jax.checking_leaks``).
@@ -253,7 +258,7 @@ def check_hygiene(case: Case) -> None:
             specs(flat_state(trainer.abstract_state)), specs(flat_state(out)), {}
         )
         if isinstance(out, nnx.State):
-            problems += _nnx_transients(out)
+            problems += _nnx_transients(out, case.family.persistent_state)
         n_state = len(jax.tree.leaves(training.state))
         n_shard = len(jax.tree.leaves(training.shardings))
         if n_state != n_shard:

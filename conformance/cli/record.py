@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_host_platform()
     set_xla_opt(args.xla_opt)
     from conformance import contract
-    from conformance.core.references import directory, encode, references_root, write
+    from conformance.core.references import ARRAYS, directory, encode, references_root, write
     from conformance.runtime.recording import record
 
     try:
@@ -88,8 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{where}: unchanged")
             elif old and not args.update:
                 refused += 1
+                what = "numbers" if old.get(ARRAYS) != files[ARRAYS] else "manifest"
                 print(
-                    f"{where}: the recorded numbers changed; not written (rerun with "
+                    f"{where}: the recorded {what} changed; not written (rerun with "
                     "--update to replace it, and explain the change in the commit)"
                 )
             else:

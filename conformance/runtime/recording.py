@@ -8,7 +8,8 @@ one device (a reference must not depend on the mesh it was made on) and keeps:
 * ``forward/<dtype>``: the logits in float32 and bfloat16 (widened to float32);
 * ``train/<step>/loss`` and ``train/<step>/grads/<path>`` for :data:`TRAIN_STEPS`
   steps, and ``train/1/state/<path>``: the whole train state after the first step (the
-  one-step checkpoint a later release must resume from);
+  one-step checkpoint a later release must resume from), with each leaf's kind in the
+  manifest (``state_kinds``: ``Param``, ``OptState``, or a Variable type's name);
 * ``decode/...``: the prompt lengths, prefill logits, each decode step's logits and
   the greedy tokens, for a family that decodes;
 * ``quant/<mode>``: the quantized logits of every Qwix mode it declares, except those
@@ -133,6 +134,7 @@ def record(family: Family, backend: str) -> Reference:
         "train_steps": TRAIN_STEPS,
         "decode_steps": DECODE_STEPS if family.capabilities.decode else 0,
         "not_recorded": left_out,
+        "state_kinds": side.canonical(training.trainer.kinds),
         "tolerance": "compared under the harness's float32 / bfloat16 tolerance policy",
     }
     return Reference(manifest, arrays)

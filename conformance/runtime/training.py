@@ -199,6 +199,17 @@ class LinenTrainer:
         self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
 
+    @property
+    def kinds(self) -> dict[str, str]:
+        """What each train-state leaf is, by path (see :func:`state_kind`)."""
+        found = {}
+        for path in flatten(self.abstract_state):
+            param = path.removeprefix("model/")
+            overwrite = param in self.overwrite
+            kind = OVERWRITE if overwrite else "Param" if param in self.runner.specs else None
+            found[path] = kind or "OptState"
+        return found
+
     def initial_state(self, params: Flat) -> dict[str, Any]:
         """A train state around ``params``: fresh optimizer state, step 0.
 
@@ -342,6 +353,11 @@ class NnxTrainer:
         self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
 
+    @property
+    def kinds(self) -> dict[str, str]:
+        """What each train-state leaf is, by path (see :func:`state_kind`)."""
+        return {path: state_kind(var) for path, var in self._vars.items()}
+
     def initial_state(self, params: Flat) -> nnx.State:
         """A train state around ``params``: fresh optimizer state, step 0."""
         rest = self.runner.rest(mesh_of(params))
@@ -398,6 +414,20 @@ def _check_overwrite(overwrite: bool, micro_batches: int) -> None:
             f"a model with {OVERWRITE} variables (FP8 scales and amax histories) "
             "cannot accumulate gradients over micro-batches"
         )
+
+
+def state_kind(var: nnx.Variable) -> str:
+    """A train-state leaf's kind, named alike on both backends.
+
+    ``Param`` (Linen's ``params`` collection), ``OptState`` (optimizer state, the step
+    counter included), :data:`OVERWRITE` (FP8 scales and amax histories), or the Variable
+    type's own name for anything else (``MoEBiasVar``): a leaf that changes kind between
+    releases has changed collection.
+    """
+    for kind in (OverwriteWithGradient, nnx.Param, nnx.OptState):
+        if isinstance(var, kind):
+            return OVERWRITE if kind is OverwriteWithGradient else kind.__name__
+    return type(var).__name__
 
 
 def flat_state(state: Any) -> Flat:

@@ -6,12 +6,36 @@ reference recorded from Linen; the report must name the recording it was compare
 
 from __future__ import annotations
 
+from flax import nnx
+
 from conformance_models import nnx_layers
+from conformance_models.gpt3.family import Gpt3Family
 from tests.faults.decode import _index_off_by_one
 from tests.faults.fault import Fault, Llama
 from tests.faults.forward import NormEpsilon
 from tests.faults.quantization import QuantizesOnlyFirstNnxBlock
 from tests.faults.training import StrayCounterBesideRngs, unmasked_loss
+
+
+class NormStat(nnx.Variable):
+    """A persistent, non-parameter Variable type (as MaxText's ``MoEBiasVar`` is)."""
+
+
+class ScaleLeftParams(Gpt3Family):
+    """NNX keeps the final LayerNorm's scale as a declared ``NormStat``, no longer a Param.
+
+    The model still computes the same; the recorded parameter has no parameter to go to,
+    and a restore that skipped it would leave it at its initialiser.
+    """
+
+    persistent_state = (NormStat,)
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        scale = model.final_norm.scale
+        model.final_norm.scale = NormStat(scale[...], **scale.get_metadata())
+        return model
+
 
 _AGAINST = "NNX vs recorded Linen (flax "
 _NNX = {"backend": "nnx"}
@@ -36,6 +60,15 @@ FAULTS = (
         (
             "NNX cannot resume from recorded Linen",
             "model/calls: in the live state, but not recorded",
+        ),
+        params=_NNX,
+    ),
+    Fault(
+        ScaleLeftParams(),
+        "recorded_resume",
+        (
+            "NNX cannot take the parameters of recorded Linen",
+            "final_norm/scale: recorded as Param, live as NormStat (changed collection)",
         ),
         params=_NNX,
     ),
