@@ -174,7 +174,27 @@ _ON_MESH = ("family", "mesh", "scan_layers")
 _SIDE_VALUES = tuple(Param(backend, backend) for backend in SIDES)
 _BACKENDS = (("backend", _SIDE_VALUES),)
 _LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDES)),)
-_RECORDED = ("family", "recorded")
+
+
+def _against_recorded(
+    name: str,
+    run: Callable[..., Any],
+    axes: tuple[str, ...] = ("family", "recorded"),
+    capability: str | None = None,
+) -> Check:
+    """A check of each live backend against a recorded reference, on the primary mesh."""
+    return Check(
+        name,
+        run,
+        axes,
+        _LIVE,
+        where="primary",
+        capability=capability,
+        pair=False,
+        references=True,
+    )
+
+
 _CONVERSIONS = (
     (
         "layouts",
@@ -324,51 +344,14 @@ CHECKS: dict[str, Check] = {
             workdir=True,
         ),
         # recorded references
-        Check(
-            "recorded_forward",
-            recorded.check_recorded_forward,
-            _RECORDED,
-            _LIVE,
-            where="primary",
-            references=True,
-            pair=False,
-        ),
-        Check(
-            "recorded_train_step",
-            recorded.check_recorded_train_step,
-            _RECORDED,
-            _LIVE,
-            where="primary",
-            references=True,
-            pair=False,
-        ),
-        Check(
-            "recorded_resume",
-            recorded.check_recorded_resume,
-            _RECORDED,
-            _LIVE,
-            where="primary",
-            references=True,
-            pair=False,
-        ),
-        Check(
-            "recorded_decode",
-            recorded.check_recorded_decode,
-            _RECORDED,
-            _LIVE,
-            where="primary",
-            capability="decode",
-            references=True,
-            pair=False,
-        ),
-        Check(
+        _against_recorded("recorded_forward", recorded.check_recorded_forward),
+        _against_recorded("recorded_train_step", recorded.check_recorded_train_step),
+        _against_recorded("recorded_resume", recorded.check_recorded_resume),
+        _against_recorded("recorded_decode", recorded.check_recorded_decode, capability="decode"),
+        _against_recorded(
             "recorded_quant_forward",
             recorded.check_recorded_quant_forward,
             ("family", "quant", "recorded"),
-            _LIVE,
-            where="primary",
-            references=True,
-            pair=False,
         ),
         # sharding invariance
         Check(
