@@ -383,6 +383,15 @@ CHECKS: dict[str, Check] = {
         ),
         Check("hygiene", training.check_hygiene, _ON_MESH),
         Check(
+            "resume",
+            training.check_resume,
+            ("family",),
+            _BACKENDS,
+            where="primary",
+            workdir=True,
+            pair=False,
+        ),
+        Check(
             "optimizer_sharding",
             training.check_optimizer_sharding,
             _ON_MESH,

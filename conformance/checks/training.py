@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -17,11 +18,14 @@ from flax import nnx
 from conformance.checks.kernel import (
     misplaced,
     param_map,
+    step_tree,
     steps_agree,
     train_pair,
     train_step_parity,
 )
 from conformance.core.failure import fail, fail_if_any
+from conformance.core.numerics import EXACT, compare_trees
+from conformance.core.records import failed
 from conformance.core.sharding import indivisible, spec_to_json
 from conformance.core.trees import (
     Flat,
@@ -34,7 +38,8 @@ from conformance.core.trees import (
     variable_kind,
 )
 from conformance.runtime.case import Case
-from conformance.runtime.sides import LinenSide, Side, live_pair
+from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
+from conformance.runtime.sides import SIDES, LinenSide, Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
 from conformance.runtime.training import flat_state, masked_token_loss
 
@@ -49,6 +54,9 @@ DROPOUT_RATE = 0.1
 
 PERSISTENT = (nnx.Param, nnx.OptState)
 """Variable types allowed in an NNX train state (optimizer variables subclass OptState)."""
+
+RESUME_STEPS = 2
+"""Steps :func:`check_resume` takes before its save, and again after its restore."""
 
 LAYOUT_VARIANTS = ("remat", "scan_layers")
 """Variants :func:`check_layout` compares with the plain layout."""
@@ -350,3 +358,46 @@ def _dropout_losses(side: Side, params: Flat, batch: Any) -> list[float]:
         state, metrics = training.step(state, batch)
         losses.append(float(metrics["loss"]))
     return losses
+
+
+def check_resume(case: Case, backend: str, workdir: Path) -> None:
+    """Twice :data:`RESUME_STEPS` steps straight equal a resumed run, exactly.
+
+    The resumed run takes :data:`RESUME_STEPS` steps, saves its state with orbax,
+    restores it strictly (byte for byte what was saved) into a fresh train state and
+    takes as many more. On
+    ``backend``, with dropout on when the family has it, every step after the restore
+    must give the straight run's loss and gradients bit for bit, and the final state
+    (parameters, Adam moments, optax counts, the step counter every dropout key derives
+    from) must be byte-identical: a restore that resets the optimizer state or the step
+    counter (the schedule and the RNG streams restart) is caught.
+    """
+    if case.family.capabilities.dropout:
+        case = case.with_config(case.family.variant(case.config, dropout=DROPOUT_RATE))
+    side, batch = SIDES[backend](case), case.batch()
+    straight = Training.start(side)
+    expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]
+    first = Training.start(side)
+    for _ in range(RESUME_STEPS):
+        first.advance(batch)
+    saved = flat_state(first.state)
+    directory = Path(workdir) / "resume"
+    save(directory, saved, CheckpointInfo(case.family.name, case.size, backend, case.scan_layers))
+    resumed = Training.start(side)
+    try:
+        restored = restore(directory, specs(saved), {p: v.sharding for p, v in saved.items()})
+    except CheckpointError as err:
+        fail(str(err))
+    if mismatches := compare_trees(saved, restored, EXACT):
+        title = f"{side.name} state restored from the checkpoint of step {RESUME_STEPS}"
+        fail(failed(title, mismatches, ("saved", "restored")))
+    resumed.state = jax.device_put(resumed.trainer.tree(restored), resumed.shardings)
+    total = 2 * RESUME_STEPS
+    for step, want in enumerate(expected, start=RESUME_STEPS + 1):
+        mismatches = compare_trees(step_tree(want), step_tree(resumed.advance(batch)), EXACT)
+        if mismatches:
+            title = (
+                f"{side.name} step {step} of {total} on mesh {case.mesh.id}, resumed from a "
+                f"checkpoint of step {RESUME_STEPS}, against the same step run straight"
+            )
+            fail(failed(title, mismatches, ("straight", "resumed")))

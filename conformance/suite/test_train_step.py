@@ -18,6 +18,10 @@ def test_hygiene(conformance_case):
     conformance_case.run()
 
 
+def test_resume(conformance_case):
+    conformance_case.run()
+
+
 def test_optimizer_sharding(conformance_case):
     conformance_case.run()
 

@@ -61,6 +61,16 @@ def loses_step(state, target):
     return {p: np.zeros_like(v) if p == "optimizer/step" else v for p, v in cast.items()}
 
 
+def zeroes_moments(tree):
+    """A restore that leaves Adam's moments at zero (MaxText #3929)."""
+    return {p: np.zeros_like(v) if "/mu/" in p or "/nu/" in p else v for p, v in tree.items()}
+
+
+def restarts_step(tree):
+    """A restore that resets the step counter: the schedule and the dropout keys restart."""
+    return {p: np.zeros_like(v) if p == "optimizer/step" else v for p, v in tree.items()}
+
+
 class RenamedLeaf(LlamaFamily):
     """NNX names the final norm ``norm_f``: a checkpoint of the real llama must not load."""
 
@@ -118,6 +128,20 @@ FAULTS = (
         ("next train step", "state/optimizer/step:"),
         seams={"convert_cast_counters": loses_step},
         params=_CONVERSION,
+    ),
+    Fault(
+        Llama(),
+        "resume",
+        ("NNX state restored from the checkpoint of step 2", "optimizer/opt_state/1/0/mu/"),
+        seams={"checkpoint_restored": zeroes_moments},
+        params={"backend": "nnx"},
+    ),
+    Fault(
+        Llama(),
+        "resume",
+        ("Linen state restored from the checkpoint of step 2", "optimizer/step:"),
+        seams={"checkpoint_restored": restarts_step},
+        params={"backend": "linen"},
     ),
     Fault(
         RenamedLeaf(),
