@@ -62,6 +62,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "sharding_topology",
         "sharding_invariance",
         "checkpoint_roundtrip",
+        "resume",
         "state_hygiene",
         "recorded_forward",
         "recorded_train_step",
