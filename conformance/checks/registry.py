@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from conformance.checks import (
     aqt,
     checkpoint,
+    cost,
     decode,
     forward,
     invariance,
@@ -262,6 +263,8 @@ CHECKS: dict[str, Check] = {
             where="primary",
             workdir=True,
         ),
+        # cost
+        Check("cost", cost.check_cost, _ON_MESH),
         # decode
         Check(
             "decode_cache",

@@ -148,6 +148,10 @@ class LinenRunner:
         """Logits and sown per-block hidden states for ``batch``."""
         return self._forward(self.tree(params), batch)
 
+    def compiled_forward(self, params: Flat, batch: Batch) -> Any:
+        """The compiled program :meth:`forward` runs for these arguments (for its cost)."""
+        return self._forward.lower(self.tree(params), batch).compile()
+
 
 class NnxRunner:
     """A family's NNX module: abstract layout, sharded init and a jitted forward.
@@ -250,6 +254,10 @@ class NnxRunner:
     def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
         """Logits and sown per-block hidden states for ``batch``."""
         return self._forward(self.state(params), self.rest(mesh_of(params)), batch)
+
+    def compiled_forward(self, params: Flat, batch: Batch) -> Any:
+        """The compiled program :meth:`forward` runs for these arguments (for its cost)."""
+        return self._forward.lower(self.state(params), self.rest(mesh_of(params)), batch).compile()
 
 
 @scoped

@@ -1,14 +1,16 @@
 """Planted faults: deliberate divergences, each injected into one side, by area.
 
 Each area module (:mod:`tests.faults.structure`, ``forward``, ``training``, ``state``,
-``decode``, ``quantization``, ``checkpoints``, ``recorded``) pairs its faults with the check that
-must catch them and the words (leaf path first) the failure report must contain.
+``decode``, ``quantization``, ``checkpoints``, ``recorded``, ``cost``) pairs its faults
+with the check that must catch them and the words (leaf path first) the failure report
+must contain.
 """
 
 from __future__ import annotations
 
 from tests.faults import (
     checkpoints,
+    cost,
     decode,
     forward,
     quantization,
@@ -28,5 +30,6 @@ FAULTS: tuple[Fault, ...] = (
     *quantization.FAULTS,
     *checkpoints.FAULTS,
     *recorded.FAULTS,
+    *cost.FAULTS,
 )
 """Every planted fault, by area."""

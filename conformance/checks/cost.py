@@ -1,0 +1,70 @@
+"""Compiled-cost parity: NNX's programs cost no more than Linen's, and run the same collectives.
+
+For the forward and the train step on the case's mesh (and, for a family with remat, the
+rematerialised train step, as production trains), each side's compiled program is read
+back: the harness hands the live executable to every compile of a program it already
+compiled (:mod:`conformance.core.programs`), so reading costs no compile when the
+forward and train-step checks of the case ran first. Equal numbers do not make equal
+programs: a backend that drops remat, replicates a kernel the other shards, or stacks
+a read-only parameter per layer computes the same values at another cost.
+"""
+
+from __future__ import annotations
+
+from conformance.checks.kernel import train_pair
+from conformance.core.cost import Cost, cost_of
+from conformance.core.failure import fail_if_any
+from conformance.runtime.case import Case
+
+BUDGET = {"flops": 1.05, "bytes_accessed": 1.10, "temp_bytes": 1.10}
+"""How much more than Linen NNX may cost, per measure (NNX costing less always passes)."""
+
+
+def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
+    """``{program: (Linen's cost, NNX's cost)}`` on ``case``'s mesh."""
+    found = {}
+    variants = {"": case}
+    if case.family.capabilities.remat:
+        variants[" (remat)"] = case.with_config(case.family.variant(case.config, remat=True))
+    for suffix, variant in variants.items():
+        pair = train_pair(variant)
+        batch = variant.batch()
+        if not suffix:
+            found["forward"] = tuple(
+                cost_of(t.side.runner.compiled_forward(t.initial, batch)) for t in pair
+            )
+        found[f"train_step{suffix}"] = tuple(
+            cost_of(t.step.lower(t.state, batch).compile()) for t in pair
+        )
+    return found
+
+
+def _over_budget(program: str, linen: Cost, nnx_: Cost) -> list[str]:
+    problems = []
+    for measure, budget in BUDGET.items():
+        a, b = getattr(linen, measure), getattr(nnx_, measure)
+        if b > a * budget:
+            problems.append(
+                f"{program}: {measure} NNX {b:,.0f} > {budget:g} x Linen {a:,.0f} ({b / a:.3f} x)"
+            )
+    for kind in sorted(linen.collectives.keys() | nnx_.collectives.keys()):
+        (count_a, bytes_a), (count_b, bytes_b) = (
+            side.collectives.get(kind, (0, 0)) for side in (linen, nnx_)
+        )
+        if count_a != count_b or bytes_b > bytes_a * BUDGET["bytes_accessed"]:
+            problems.append(
+                f"{program}: {kind} Linen {count_a} op(s) of {bytes_a:,} bytes, "
+                f"NNX {count_b} op(s) of {bytes_b:,} bytes"
+            )
+    return problems
+
+
+def check_cost(case: Case) -> None:
+    """NNX's forward and train step cost at most :data:`BUDGET` of Linen's, same collectives.
+
+    Compared per program: flops, bytes accessed and temporary memory (NNX may cost less),
+    and every collective kind's count (equal) and bytes.
+    """
+    programs = _programs(case)
+    problems = [line for name, pair in programs.items() for line in _over_budget(name, *pair)]
+    fail_if_any(f"NNX costs more than Linen on mesh {case.mesh.id}", problems)
