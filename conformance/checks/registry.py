@@ -386,6 +386,13 @@ CHECKS: dict[str, Check] = {
         ),
         Check("hygiene", training.check_hygiene, _ON_MESH),
         Check(
+            "resume_conversion",
+            training.check_resume_conversion,
+            ("family",),
+            where="primary",
+            workdir=True,
+        ),
+        Check(
             "resume",
             training.check_resume,
             ("family",),

@@ -18,6 +18,7 @@ from flax import nnx
 from conformance.checks.kernel import (
     misplaced,
     param_map,
+    step_disagreement,
     step_tree,
     steps_agree,
     train_pair,
@@ -38,7 +39,13 @@ from conformance.core.trees import (
     variable_kind,
 )
 from conformance.runtime.case import Case
-from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
+from conformance.runtime.checkpoints import (
+    CheckpointError,
+    CheckpointInfo,
+    convert,
+    restore,
+    save,
+)
 from conformance.runtime.sides import SIDES, LinenSide, Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
 from conformance.runtime.training import flat_state, masked_token_loss
@@ -401,3 +408,50 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
                 f"checkpoint of step {RESUME_STEPS}, against the same step run straight"
             )
             fail(failed(title, mismatches, ("straight", "resumed")))
+
+
+def check_resume_conversion(case: Case, workdir: Path) -> None:
+    """Linen's steps, saved, converted to NNX and continued there, equal Linen's straight.
+
+    Linen takes :data:`RESUME_STEPS` steps and saves its state; the checkpoint is
+    restored, converted to NNX (:func:`~conformance.runtime.checkpoints.convert`) and
+    placed into a fresh NNX train state (every leaf, no more), which takes as many more
+    steps. Each of those equals the same step of Linen run straight, within the
+    tolerance policy: the migration's own path from a Linen run to an NNX one.
+    """
+    linen, nnx_ = live_pair(case)
+    batch, family = case.batch(), case.family
+    straight = Training.start(linen)
+    expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]
+    first = Training.start(linen, straight.initial)
+    for _ in range(RESUME_STEPS):
+        first.advance(batch)
+    saved = flat_state(first.state)
+    info = CheckpointInfo(family.name, case.size, linen.backend, case.scan_layers)
+    directory = Path(workdir) / "linen"
+    save(directory, saved, info)
+    try:
+        loaded = restore(directory, specs(saved))
+        converted, _ = convert(loaded, family, info, nnx_.backend, case.scan_layers)
+    except CheckpointError as err:
+        fail(str(err))
+    resumed = Training.start(nnx_, nnx_.own(linen.canonical(straight.initial)))
+    layout = specs(flat_state(resumed.state))
+    problems = [
+        f"{p}: converted, but not in NNX's state" for p in sorted(set(converted) - set(layout))
+    ]
+    problems += [
+        f"{p}: in NNX's state, not converted" for p in sorted(set(layout) - set(converted))
+    ]
+    fail_if_any(f"Linen's checkpoint of step {RESUME_STEPS} does not fit NNX", problems)
+    resumed.state = jax.device_put(resumed.trainer.tree(converted), resumed.shardings)
+    total = 2 * RESUME_STEPS
+    names = ("Linen straight", "NNX resumed")
+    for step, want in enumerate(expected, start=RESUME_STEPS + 1):
+        title = (
+            f"step {step} of {total} on mesh {case.mesh.id}: NNX resumed from Linen's "
+            f"checkpoint of step {RESUME_STEPS}, against Linen run straight"
+        )
+        message = step_disagreement(title, want, resumed.advance(batch), names)
+        if message is not None:
+            fail(message)

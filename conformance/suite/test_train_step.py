@@ -22,6 +22,10 @@ def test_resume(conformance_case):
     conformance_case.run()
 
 
+def test_resume_conversion(conformance_case):
+    conformance_case.run()
+
+
 def test_optimizer_sharding(conformance_case):
     conformance_case.run()
 

@@ -144,6 +144,18 @@ FAULTS = (
         params={"backend": "linen"},
     ),
     Fault(
+        Llama(),
+        "resume_conversion",
+        ("step 3 of 4", "NNX resumed from Linen's checkpoint of step 2", "/mu/"),
+        seams={"convert_rename": swaps_moments},
+    ),
+    Fault(
+        Llama(),
+        "resume_conversion",
+        ("step 3 of 4", "state/optimizer/step:"),
+        seams={"convert_cast_counters": loses_step},
+    ),
+    Fault(
         RenamedLeaf(),
         "checkpoint_roundtrip",
         (
