@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -34,17 +33,6 @@ class TransformerFamily(Family):
         vocab_tiling=True,
         fp8=True,
         recorded=("linen",),
-    )
-    known_divergences = MappingProxyType(
-        {
-            "cost[data2-fsdp2-tensor2-scan]": (
-                "the rematerialised, scanned train step of NNX (nnx.remat inside nnx.scan) "
-                "keeps more temporary memory than Linen's (nn.remat inside nn.scan) on "
-                "data=2,fsdp=2,tensor=2: 443,440 vs 358,624 bytes for gpt3 (1.237x) and "
-                "402,576 vs 346,952 for llama (1.160x), at both XLA optimisation levels; same "
-                "flops and collectives"
-            )
-        }
     )
     train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]

@@ -19,6 +19,14 @@ from conformance.runtime.case import Case
 BUDGET = {"flops": 1.05, "bytes_accessed": 1.10, "temp_bytes": 1.10}
 """How much more than Linen NNX may cost, per measure (NNX costing less always passes)."""
 
+SCANNED_REMAT_TEMP = 1.30
+"""The temporary-memory budget of the rematerialised train step in the scanned layout.
+
+With flax 0.12.12, ``nnx.remat`` inside ``nnx.scan`` keeps more temporary memory than
+``nn.remat`` inside ``nn.scan`` for the same blocks, whoever writes them: 1.237x (gpt3),
+1.160x (llama) and 1.135x (the contract example's toy-full, written independently) on
+``data=2,fsdp=2,tensor=2``; 1.039x and 1.015x on ``fsdp=8``. Dropping remat costs 2.6x."""
+
 
 def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
     """``{program: (Linen's cost, NNX's cost)}`` on ``case``'s mesh."""
@@ -39,9 +47,12 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
     return found
 
 
-def _over_budget(program: str, linen: Cost, nnx_: Cost) -> list[str]:
+def _over_budget(program: str, linen: Cost, nnx_: Cost, scanned: bool) -> list[str]:
     problems = []
-    for measure, budget in BUDGET.items():
+    budgets = dict(BUDGET)
+    if scanned and program.endswith("(remat)"):
+        budgets["temp_bytes"] = SCANNED_REMAT_TEMP
+    for measure, budget in budgets.items():
         a, b = getattr(linen, measure), getattr(nnx_, measure)
         if b > a * budget:
             problems.append(
@@ -62,9 +73,14 @@ def _over_budget(program: str, linen: Cost, nnx_: Cost) -> list[str]:
 def check_cost(case: Case) -> None:
     """NNX's forward and train step cost at most :data:`BUDGET` of Linen's, same collectives.
 
-    Compared per program: flops, bytes accessed and temporary memory (NNX may cost less),
-    and every collective kind's count (equal) and bytes.
+    Compared per program: flops, bytes accessed and temporary memory (NNX may cost less;
+    the scanned rematerialised step's memory within :data:`SCANNED_REMAT_TEMP`), and
+    every collective kind's count (equal) and bytes.
     """
     programs = _programs(case)
-    problems = [line for name, pair in programs.items() for line in _over_budget(name, *pair)]
+    problems = [
+        line
+        for name, pair in programs.items()
+        for line in _over_budget(name, *pair, case.scan_layers)
+    ]
     fail_if_any(f"NNX costs more than Linen on mesh {case.mesh.id}", problems)

@@ -69,11 +69,11 @@ class Settings:
             f"conformance: families {families}; XLA optimisation {self.xla_opt}; "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
         ]
-        if recorded := self._recorded():
+        if recorded := self.recorded():
             lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
         return lines
 
-    def _recorded(self) -> list[str]:
+    def recorded(self) -> list[str]:
         """``gpt3: Linen and NNX vs recorded Linen (flax ..., jax ...)`` per reference.
 
         A reference recorded with other library versions lists them: it is compared
