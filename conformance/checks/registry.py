@@ -264,7 +264,7 @@ CHECKS: dict[str, Check] = {
             workdir=True,
         ),
         # cost
-        Check("cost", cost.check_cost, _ON_MESH),
+        Check("cost", cost.check_cost, ("family", "scan_layers"), where="primary"),
         # decode
         Check(
             "decode_cache",

@@ -58,9 +58,9 @@ class SessionReport:
             terminalreporter.section(title)
             for line in agreement_matrix(self.results):
                 terminalreporter.write_line(line)
-            if any(check.startswith("recorded_") for _, check in self.results):
-                compared = "; ".join(settings(self.config).recorded())
-                terminalreporter.write_line(f"recorded_* compare {compared}")
+            recorded = settings(self.config).recorded()
+            if recorded and any(check.startswith("recorded_") for _, check in self.results):
+                terminalreporter.write_line("recorded_* compare " + "; ".join(recorded))
         if self.unused:
             terminalreporter.section("unused goldens", red=True)
             terminalreporter.write_line(
