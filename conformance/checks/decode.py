@@ -30,7 +30,7 @@ from conformance.core.scope import scoped
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import DecodeError, Generation, generate, prompt_batch
+from conformance.runtime.decoding import DecodeError, Generation, prompt_only
 from conformance.runtime.sides import Decoder, Side, live_pair
 
 DECODE_STEPS = 8
@@ -110,14 +110,9 @@ def _serve(sides: tuple[Side, Side], start: Flat | None) -> tuple[Served, ...]:
     case = sides[0].case
     decoders(case)
     params = shared_params(*sides, start)
-    prompt, lengths = prompt_batch(case.family, case.bound, BATCH_SIZE, DECODE_STEPS)
     served = []
     for side, side_params in zip(sides, params, strict=True):
-        decoder = side.decoder(BATCH_SIZE)
-        cache_shardings = case.shardings(decoder.logical)
-        generation = generate(
-            decoder, side_params, prompt, lengths, DECODE_STEPS, case.place, cache_shardings
-        )
+        generation = side.generate(side_params, DECODE_STEPS)
         sequence = case.place(generation.sequence(case.family.sequence_length(case.bound)))
         forward_logits = host_array(side.forward(side_params, sequence)[0])
         served.append(Served(side.name, side_params, generation, forward_logits))
@@ -126,7 +121,7 @@ def _serve(sides: tuple[Side, Side], start: Flat | None) -> tuple[Served, ...]:
 
 def _stages(generation: Generation, upto: int) -> Flat:
     """The logits of prefill (real prompt positions only) and of decode steps before ``upto``."""
-    stages = {"prefill/logits": _prompt_only(generation.prefill_logits, generation.lengths)}
+    stages = {"prefill/logits": prompt_only(generation.prefill_logits, generation.lengths)}
     stages |= {f"decode step {step}/logits": generation.step_logits[step] for step in range(upto)}
     return stages
 
@@ -140,13 +135,6 @@ def _decode_attribution(case: Case, served: tuple[Served, ...], upto: int) -> st
 
     on_mesh = (_stages(served[0].generation, upto), _stages(served[1].generation, upto))
     return attributed(case, (served[0].side, served[1].side), on_mesh, on_one_device)
-
-
-def _prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Prefill-shaped logits with every padding position zeroed: padding is not compared."""
-    width = logits.shape[1]
-    real = np.arange(width)[None, :] < lengths[:, None]
-    return np.where(real[:, :, None], logits, 0)
 
 
 def _at_step(logits: np.ndarray, lengths: np.ndarray, step: int) -> np.ndarray:
@@ -179,8 +167,8 @@ def check_decode_consistency(case: Case) -> None:
         tol = tolerance_for(gen.prefill_logits.dtype)
         names = ("forward", side)
         width = gen.prefill_logits.shape[1]
-        expected = _prompt_only(served.forward_logits[:, :width], gen.lengths)
-        prefill = _prompt_only(gen.prefill_logits, gen.lengths)
+        expected = prompt_only(served.forward_logits[:, :width], gen.lengths)
+        prefill = prompt_only(gen.prefill_logits, gen.lengths)
         plot = {"names": names, "tolerance": tol, "series": side}
         plot["figure"] = f"decode_consistency: error per stage against the forward, mesh {mesh.id}"
         found = compared(f"{side} prefill", expected, prefill, x="prefill", **plot)
@@ -212,8 +200,8 @@ def check_decode(case: Case) -> None:
     tol = tolerance_for(linen.prefill_logits.dtype)
     names = (served[0].side, served[1].side)
     prefills = (
-        _prompt_only(linen.prefill_logits, linen.lengths),
-        _prompt_only(nnx_.prefill_logits, nnx_.lengths),
+        prompt_only(linen.prefill_logits, linen.lengths),
+        prompt_only(nnx_.prefill_logits, nnx_.lengths),
     )
     plot = {"names": names, "tolerance": tol, "series": "Linen vs NNX"}
     plot["figure"] = f"decode: error per stage, mesh {mesh.id}"

@@ -28,7 +28,7 @@ from conformance.core.records import emit_verdict
 from conformance.core.trees import Flat, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
-from conformance.runtime.decoding import generate, prompt_batch
+from conformance.runtime.decoding import prompt_only
 from conformance.runtime.recorded import RECORD_COMMAND, MissingReference, RecordedSide, load
 from conformance.runtime.recording import DTYPES
 from conformance.runtime.sides import SIDES, Side
@@ -207,12 +207,6 @@ def check_recorded_resume(case: Case, backend: str, recorded: str, references: P
     _step_parity(live, reference, "resumed from the recorded step 1", training, 2)
 
 
-def _real_prompt(prefill: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Prefill logits with every padding position zeroed: padding is not compared."""
-    real = np.arange(prefill.shape[1])[None, :] < lengths[:, None]
-    return np.where(real[:, :, None], prefill, 0)
-
-
 def check_recorded_decode(case: Case, backend: str, recorded: str, references: Path) -> None:
     """Prefill and greedy decode from the recorded parameters equal the recorded ones.
 
@@ -228,19 +222,14 @@ def check_recorded_decode(case: Case, backend: str, recorded: str, references: P
         host_array(family.batch(config, BATCH_SIZE).tokens), reference.batch().tokens
     ):
         fail(f"{family.name}'s batch changed since {reference.label}: record it again")
-    steps, lengths = decoded["steps"].shape[0], decoded["lengths"]
-    prompt, live_lengths = prompt_batch(family, config, BATCH_SIZE, steps)
-    decoder = live.decoder(BATCH_SIZE)
-    shardings = live.case.shardings(decoder.logical)
-    params = _params(live, reference)
-    generation = generate(decoder, params, prompt, live_lengths, steps, live.case.place, shardings)
+    generation = live.generate(_params(live, reference), decoded["steps"].shape[0])
     expected = {
-        "prefill": _real_prompt(decoded["prefill"], lengths),
+        "prefill": prompt_only(decoded["prefill"], decoded["lengths"]),
         "steps": decoded["steps"],
         "tokens": decoded["tokens"],
     }
     got = {
-        "prefill": _real_prompt(generation.prefill_logits, generation.lengths),
+        "prefill": prompt_only(generation.prefill_logits, generation.lengths),
         "steps": generation.step_logits,
         "tokens": generation.tokens,
     }

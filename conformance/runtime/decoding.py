@@ -214,6 +214,13 @@ def prompt_batch(family: Family, config: Any, rows: int, steps: int) -> tuple[Ba
     return prompt, lengths
 
 
+def prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Prefill-shaped logits with every padding position zeroed: padding is not compared."""
+    width = logits.shape[1]
+    real = np.arange(width)[None, :] < lengths[:, None]
+    return np.where(real[:, :, None], logits, 0)
+
+
 def decode_positions(lengths: np.ndarray, step: int) -> np.ndarray:
     """Positions ``[rows, 1]`` of decode step ``step``: each row's length plus ``step``."""
     return (lengths + step).astype(np.int32)[:, None]

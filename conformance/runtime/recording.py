@@ -35,7 +35,6 @@ from conformance.core.sharding import MeshSpec, one_device
 from conformance.core.trees import Flat
 from conformance.runtime import quant
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import generate, prompt_batch
 from conformance.runtime.sides import SIDES, Side
 from conformance.runtime.stepping import Training
 
@@ -72,11 +71,7 @@ def _host(flat: Flat, prefix: str) -> dict[str, np.ndarray]:
 
 
 def _decode(side: Side, params: Flat) -> dict[str, np.ndarray]:
-    case = side.case
-    prompt, lengths = prompt_batch(case.family, case.bound, BATCH_SIZE, DECODE_STEPS)
-    decoder = side.decoder(BATCH_SIZE)
-    shardings = case.shardings(decoder.logical)
-    generation = generate(decoder, params, prompt, lengths, DECODE_STEPS, case.place, shardings)
+    generation = side.generate(params, DECODE_STEPS)
     return _host(
         {
             "lengths": generation.lengths,

@@ -37,8 +37,16 @@ from conformance.runtime.backends import (
     nnx_runner,
     transplant,
 )
-from conformance.runtime.case import Case
-from conformance.runtime.decoding import LinenDecoder, NnxDecoder, linen_decoder, nnx_decoder
+from conformance.runtime.case import BATCH_SIZE, Case
+from conformance.runtime.decoding import (
+    Generation,
+    LinenDecoder,
+    NnxDecoder,
+    generate,
+    linen_decoder,
+    nnx_decoder,
+    prompt_batch,
+)
 from conformance.runtime.training import LinenTrainer, NnxTrainer, linen_trainer, nnx_trainer
 
 Runner = LinenRunner | NnxRunner
@@ -134,6 +142,19 @@ class Side(abc.ABC):
     def forward(self, params: Flat, batch: Any) -> tuple[Any, Any]:
         """Logits and sown per-block hidden states of ``batch`` from ``params``."""
         return self.runner.forward(params, batch)
+
+    def generate(self, params: Flat, steps: int, rows: int = BATCH_SIZE) -> Generation:
+        """``params`` (own paths, on the devices) served greedily through the KV cache.
+
+        ``rows`` prompts of different lengths from the family's batch
+        (:func:`~conformance.runtime.decoding.prompt_batch`), a prefill, then ``steps``
+        decode steps, every call sharded on the case's mesh.
+        """
+        case = self.case
+        prompt, lengths = prompt_batch(case.family, case.bound, rows, steps)
+        decoder = self.decoder(rows)
+        shardings = case.shardings(decoder.logical)
+        return generate(decoder, params, prompt, lengths, steps, case.place, shardings)
 
 
 @dataclasses.dataclass(frozen=True)
