@@ -17,23 +17,24 @@ from typing import Any
 import jax
 
 from conformance.checks.kernel import (
+    Rerun,
     agreed_specs,
-    compared,
     error_bound,
     forward_attribution,
     leaf_table,
     param_map,
+    quantized_forwards,
     round_trip,
     shared_params,
     train_step_parity,
 )
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import PathMapError, map_paths, structure_diff
 from conformance.runtime.aqt import COLLECTION, AqtError
 from conformance.runtime.case import Case
-from conformance.runtime.sides import Aqt, live_pair
+from conformance.runtime.sides import Aqt, Side, live_pair
 
 AQT_MAX_ERROR = 0.06
 """Bound on the relative L2 error of AQT int8 logits against float logits."""
@@ -60,16 +61,34 @@ def aqt_pair(case: Case) -> tuple[Aqt, Aqt, dict[str, str]]:
 
 
 def check_aqt_forward(case: Case) -> None:
-    """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float."""
+    """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float.
+
+    Quantization-aware (:func:`~conformance.checks.kernel.quantized_forwards`): logits
+    that differ by float rounding carried across quantization steps pass.
+    """
     linen_params, nnx_params = shared_params(*live_pair(case))
     linen, nnx_ = live_pair(_train(case))
     batch = case.batch()
-    reference = linen.on(case).forward(linen_params, batch)[0]
+    float_logits = (
+        linen.on(case).forward(linen_params, batch)[0],
+        nnx_.on(case).forward(nnx_params, batch)[0],
+    )
     linen_logits = linen.forward(linen_params, batch)[0]
     nnx_logits = nnx_.forward(nnx_params, batch)[0]
+
+    def rerun(side: Side) -> Rerun:
+        return lambda nudged: side.forward(side.place(nudged), batch)[0]
+
     title = f"AQT int8 TRAIN forward on mesh {case.mesh.id} (index: batch, position, vocab)"
-    found = compared(title, linen_logits, nnx_logits)
-    if found is not None:
+    message = quantized_forwards(
+        title,
+        (linen, nnx_),
+        (linen_logits, nnx_logits),
+        float_logits,
+        (rerun(linen), rerun(nnx_)),
+        (linen_params, nnx_params),
+    )
+    if message is not None:
         moved = forward_attribution(
             linen,
             nnx_,
@@ -77,15 +96,21 @@ def check_aqt_forward(case: Case) -> None:
             (linen_params, nnx_params),
             quantized=True,
         )
-        fail(report(title, [found], (linen.name, nnx_.name)) + f"\n  {moved}")
-    for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
+        fail(f"{message}\n  {moved}")
+    for side, logits, reference in zip(
+        (linen, nnx_), (linen_logits, nnx_logits), float_logits, strict=True
+    ):
         where = f"{side.name} AQT int8 TRAIN on mesh {case.mesh.id}"
         error_bound(where, logits, reference, AQT_MAX_ERROR)
 
 
 def check_aqt_train_step(case: Case) -> None:
-    """TRAIN-mode train steps agree across backends (loss, gradients, whole state)."""
-    train_step_parity(_train(case), "aqt_train_step")
+    """TRAIN-mode train steps agree across backends (loss, gradients, whole state).
+
+    Quantization-aware, against the float steps of the same case
+    (:func:`~conformance.checks.kernel.train_step_parity`).
+    """
+    train_step_parity(_train(case), "aqt_train_step", case)
 
 
 def _kernel_less(

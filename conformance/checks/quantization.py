@@ -17,18 +17,19 @@ import jax
 from flax import nnx
 
 from conformance.checks.kernel import (
+    Rerun,
     agreed_specs,
-    compared,
     error_bound,
     forward_attribution,
     leaf_table,
+    quantized_forwards,
     round_trip,
     shared_params,
     train_step_parity,
 )
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
+from conformance.core.numerics import EXACT, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import (
     PathMapError,
@@ -96,7 +97,10 @@ def check_quant_forward(case: Case) -> None:
 
     Both quantize the same float parameters (Linen's, transplanted to NNX). For PTQ,
     the quantized parameters themselves must agree first: every ``qvalue`` exactly,
-    every ``scale`` under the float policy.
+    every ``scale`` under the float policy. The forwards are compared quantization-aware
+    (:func:`~conformance.checks.kernel.quantized_forwards`): logits that differ by float
+    rounding carried across quantization steps pass; a report says what the float
+    forwards show.
     """
     quant, mode = case.quant, MODES[case.quant]
     linen, nnx_, mapping = quantized_pair(case)
@@ -109,15 +113,32 @@ def check_quant_forward(case: Case) -> None:
             title = f"{quant} quantized parameters on mesh {case.mesh.id}"
             fail(failed(title, mismatches, (linen.name, nnx_.name)))
     batch = case.batch()
-    reference = host_array(linen.unquantized().forward(linen_float, batch)[0])
+    floats = (linen.unquantized(), nnx_.unquantized())
+    float_logits = tuple(
+        host_array(side.forward(params, batch)[0])
+        for side, params in zip(floats, (linen_float, nnx_float), strict=True)
+    )
     linen_logits = host_array(linen.forward(linen_q, batch)[0])
     nnx_logits = host_array(nnx_.forward(nnx_q, batch)[0])
+
+    def rerun(side: Side, float_side: Side) -> Rerun:
+        return lambda nudged: side.forward(side.runner.quantize(float_side.place(nudged)), batch)[0]
+
     title = f"{quant} forward on mesh {case.mesh.id} (index: batch, position, vocab)"
-    found = compared(title, linen_logits, nnx_logits)
-    if found is not None:
+    message = quantized_forwards(
+        title,
+        (linen, nnx_),
+        (linen_logits, nnx_logits),
+        float_logits,
+        (rerun(linen, floats[0]), rerun(nnx_, floats[1])),
+        (linen_float, nnx_float),
+    )
+    if message is not None:
         moved = forward_attribution(linen, nnx_, (linen_logits, nnx_logits), (linen_q, nnx_q))
-        fail(report(title, [found], (linen.name, nnx_.name)) + f"\n  {moved}")
-    for side, logits in ((linen, linen_logits), (nnx_, nnx_logits)):
+        fail(f"{message}\n  {moved}")
+    for side, logits, reference in zip(
+        (linen, nnx_), (linen_logits, nnx_logits), float_logits, strict=True
+    ):
         where = f"{side.name} {quant} on mesh {case.mesh.id}"
         error_bound(where, logits, reference, mode.max_error)
 
@@ -178,8 +199,12 @@ def check_quant_hygiene_topology(case: Case) -> None:
 
 
 def check_qat_train_step(case: Case) -> None:
-    """Both sides train the QAT-quantized model alike for several steps (the train-step check)."""
-    train_step_parity(case, "qat_train_step")
+    """Both sides train the QAT-quantized model alike for several steps (the train-step check).
+
+    Quantization-aware: steps that differ by float rounding carried across quantization
+    steps pass (:func:`~conformance.checks.kernel.train_step_parity`).
+    """
+    train_step_parity(case, "qat_train_step", case.quantized(None))
 
 
 def check_quant_checkpoint(case: Case, workdir: Path) -> None:

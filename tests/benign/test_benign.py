@@ -14,7 +14,7 @@ CASES = [
     pytest.param(
         (variant, check, quant),
         marks=[pytest.mark.xfail(reason=why, raises=CheckFailure, strict=True)]
-        if (why := variant.false_alarm(check, quant))
+        if (why := variant.expected_failure(check, quant))
         else [],
     )
     for variant in VARIANTS

@@ -13,7 +13,9 @@ from qwix._src.utils import flax_util as qwix_flax_util
 
 from conformance.families import QuantScope
 from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
+from tests.benign.variants import jax_attention
 from tests.faults.fault import Fault, Gpt3, Llama, NnxConfigFault
 
 
@@ -34,6 +36,25 @@ class QuantizesOnlyFirstNnxBlock(Gpt3Family):
     def quantization_scope(self, config):
         del config
         return QuantScope(module_path=r"(layers_\d+|layers/0)/.*")
+
+
+class RoundsAndQuantizesOnlyFirstNnxBlock(LlamaFamily):
+    """NNX's attention rounds differently (benign alone) and only NNX block 0 is quantized.
+
+    With the benign rounding difference the float forwards are no longer bitwise equal,
+    so the quantization-aware policy judges the quantized ones in its rounding regime:
+    this fault must still fail there.
+    """
+
+    def quantization_scope(self, config):
+        return dataclasses.replace(
+            super().quantization_scope(config), module_path=r"(layers_\d+|layers/0)/.*"
+        )
+
+
+def _rounding_jax_attention(self, *args):
+    """NNX attention through ``jax.nn.dot_product_attention`` (a benign variant's)."""
+    return jax_attention(self, *args)
 
 
 _how_to_quantize = qwix_dot_general.get_how_to_quantize
@@ -120,6 +141,23 @@ FAULTS = (
             "logits:",
             "verdict: a Linen/NNX divergence: it shows on one device too",
         ),
+        quant="qat_int8",
+    ),
+    Fault(
+        QuantizesOnlyFirstNnxBlock(),
+        "qat_train_step",
+        ("step 1 of 3 (qat_int8)", "the float train steps agree bitwise"),
+        quant="qat_int8",
+    ),
+    Fault(
+        RoundsAndQuantizesOnlyFirstNnxBlock(),
+        "quant_forward",
+        (
+            "qat_int8 forward on mesh",
+            "the float forwards differ by rounding only",
+            "the sides are not equally far from float",
+        ),
+        model_patch=(llama_nnx.Attention, "__call__", _rounding_jax_attention),
         quant="qat_int8",
     ),
     Fault(

@@ -1,0 +1,187 @@
+"""The quantization-aware policy: when a quantized disagreement is float rounding, carried.
+
+Quantization turns a rounding-level difference between two float programs into whole
+quantization steps: a value on a rounding boundary of the grid lands on one side of it
+in one program and on the other side in the other. Two correctly written sides whose
+float programs differ by rounding (another sum order, another attention kernel) then
+disagree quantized far beyond the float tolerance, while quantizing alike.
+
+A quantized comparison that fails the float policy is judged by its float twin (the same
+computation from the same parameters, unquantized), in one of three regimes:
+
+- the float results disagree beyond the float policy: a float divergence, reported as one;
+- the float results are bitwise equal: nothing was there for quantization to amplify, so
+  the sides quantize differently (a rule, a scale or its axes, a layer left float);
+- the float results differ by rounding only: the disagreement is accepted when, leaf by
+  leaf, it is at most :data:`SENSITIVITY_FACTOR` times either side's own movement when its
+  float parameters are nudged by one ulp (:func:`one_ulp_nudge`), and when the two sides'
+  errors against their own float results are equal within :data:`ERROR_SPREAD`. A side
+  that quantizes less or more than the other changes its error against float; a rounding
+  difference does not.
+
+Measured on the built-in llama (mesh data=2,fsdp=2,tensor=2, relative L2 of logits): a
+correct NNX side with ``jax.nn.dot_product_attention`` differs from Linen by 1.2e-2
+(ptq_int8, qat_int8) while a one-ulp nudge moves each side by 2.3e-2, and the errors
+against float differ by at most 0.4 %; the planted fault that quantizes only NNX's first
+block moves logits by 1.0e-2 but its errors against float differ by 12.7 to 14.3 %.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from conformance.core.distributed import host_array
+from conformance.core.numerics import compare_trees
+
+ERROR_SPREAD = 0.02
+"""The most two sides' errors against their own float results may differ in the rounding
+regime, relative to the larger of the two (measured: 0.4 % on correct pairs, 12.7 % and
+more with one of two blocks left unquantized)."""
+
+NUDGE_SEEDS = (0, 1)
+"""Nudges per side; a side's sensitivity is its largest movement over them."""
+
+SENSITIVITY_FACTOR = 2.0
+"""How many times a side's measured sensitivity a leaf's disagreement may be. Two nudges
+only estimate the movement rounding can cause: on correct pairs the disagreement was 0.5x
+of it for logits and up to 1.14x for one of 63 train-state leaves after three QAT steps."""
+
+
+def relative_l2(first: Any, second: Any) -> float:
+    """``||first - second|| / ||second||`` in float64.
+
+    0 when both are zero, inf when only ``second`` is.
+    """
+    a, b = (np.asarray(host_array(x), np.float64) for x in (first, second))
+    difference, scale = float(np.linalg.norm(a - b)), float(np.linalg.norm(b))
+    if difference == 0.0:
+        return 0.0
+    return difference / scale if scale else float("inf")
+
+
+def one_ulp_nudge(flat: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """``flat`` on the host with every floating-point element moved by one ulp.
+
+    Each element moves up or down at random (from ``seed``); integer leaves are unchanged.
+    The nudged values are as far from the originals as two float programs that round
+    differently are from each other, so what a quantized program does with them is what
+    rounding alone can do.
+    """
+    rng = np.random.default_rng(seed)
+    nudged = {}
+    for path, value in sorted(flat.items()):
+        array = np.asarray(host_array(value))
+        if np.issubdtype(array.dtype, np.floating):
+            up = rng.random(array.shape) < 0.5
+            target = np.where(up, np.inf, -np.inf).astype(array.dtype)
+            array = np.nextafter(array, target)
+        nudged[path] = array
+    return nudged
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundingVerdict:
+    """What the float twin of a failed quantized comparison says, in words."""
+
+    accepted: bool
+    """The disagreement is float rounding carried across quantization steps."""
+    text: str
+
+
+def _joined(flat: Mapping[str, Any], prefixes: Sequence[str]) -> np.ndarray:
+    leaves = [
+        np.asarray(host_array(v), np.float64).ravel()
+        for p, v in sorted(flat.items())
+        if p.startswith(tuple(prefixes))
+    ]
+    return np.concatenate(leaves) if leaves else np.zeros(0)
+
+
+def _bitwise(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    return first.keys() == second.keys() and all(
+        np.array_equal(host_array(first[p]), host_array(second[p]), equal_nan=True) for p in first
+    )
+
+
+def rounding_verdict(
+    what: str,
+    quantized: tuple[Mapping[str, Any], Mapping[str, Any]],
+    floats: tuple[Mapping[str, Any], Mapping[str, Any]],
+    moved: Callable[[], tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+    names: tuple[str, str],
+    error_leaves: Sequence[str],
+) -> RoundingVerdict:
+    """Whether two quantized results that fail the float policy differ by rounding only.
+
+    ``quantized`` and ``floats`` are both sides' results (flat trees with the same paths)
+    quantized and unquantized from the same parameters; ``moved()`` gives each side's
+    quantized results from its float parameters nudged by one ulp (one tree per nudge;
+    called only in the rounding regime). ``error_leaves`` are the path prefixes whose
+    error against float measures how much each side quantized (logits; gradients); empty,
+    the errors are not compared (a later train step, whose float twin has drifted away
+    from the quantized run).
+    """
+    a, b = names
+    float_mismatches = compare_trees(*floats)
+    if float_mismatches:
+        worst = max(float_mismatches, key=lambda m: m.max_abs)
+        return RoundingVerdict(
+            False,
+            f"the float {what} disagree too ({len(float_mismatches)} leaf(s) beyond the float "
+            f"policy, worst {worst.path} by {worst.max_abs:.3e}): a float divergence that "
+            "quantization carries, not a quantization one",
+        )
+    if _bitwise(*floats):
+        return RoundingVerdict(
+            False,
+            f"the float {what} agree bitwise, so nothing was there for quantization to "
+            f"amplify: {a} and {b} quantize differently (a rule, a scale or its axes, a "
+            "layer left in float)",
+        )
+    errors = [
+        relative_l2(_joined(q, error_leaves), _joined(f, error_leaves)) if error_leaves else 0.0
+        for q, f in zip(quantized, floats, strict=True)
+    ]
+    spread = abs(errors[0] - errors[1]) / max(max(errors), np.finfo(np.float64).tiny)
+    nudges = moved()
+    beyond, worst = [], (0.0, 0.0, "")
+    for path in sorted(quantized[0]):
+        difference = relative_l2(quantized[1][path], quantized[0][path])
+        sensitivity = SENSITIVITY_FACTOR * max(
+            relative_l2(run[path], side[path])
+            for side, runs in zip(quantized, nudges, strict=True)
+            for run in runs
+        )
+        if difference > sensitivity:
+            beyond.append(f"{path}: {difference:.3e} apart, bound {sensitivity:.3e}")
+        if difference >= worst[0]:
+            worst = (difference, sensitivity, path)
+    figures = (
+        f"the float {what} differ by rounding only (within the float policy, not bitwise). "
+        f"Quantized, {worst[2]} is {worst[0]:.3e} apart (relative L2); its bound is "
+        f"{worst[1]:.3e}, {SENSITIVITY_FACTOR:g}x the most a one-ulp nudge of either side's "
+        "float parameters moves it"
+    )
+    if error_leaves:
+        figures += (
+            f"; the errors against float are {a} {errors[0]:.4g} and {b} {errors[1]:.4g} "
+            f"(spread {spread:.1%}, at most {ERROR_SPREAD:.0%})"
+        )
+    if spread > ERROR_SPREAD:
+        return RoundingVerdict(
+            False,
+            f"{figures}: the sides are not equally far from float, so one quantizes more "
+            "than the other",
+        )
+    if beyond:
+        more = f"; and {len(beyond) - 5} more" if len(beyond) > 5 else ""
+        listed = "; ".join(beyond[:5]) + more
+        return RoundingVerdict(
+            False,
+            f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: {listed}",
+        )
+    return RoundingVerdict(True, f"{figures}: float rounding carried by quantization, accepted")
