@@ -6,8 +6,10 @@ Family, Capabilities, Batch, QuantScope``) and registers them under the
 """
 
 from conformance.contract import (
+    DECODE_STYLES,
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
+    PREDICTIONS,
     QUANTIZATION_MODES,
     Batch,
     Capabilities,
@@ -30,6 +32,8 @@ __all__ = [
     "Family",
     "FamilyError",
     "LogicalRules",
+    "DECODE_STYLES",
+    "PREDICTIONS",
     "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",

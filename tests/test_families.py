@@ -122,9 +122,47 @@ class UnknownMode(Gpt3Family):
     )
 
 
+class TokenStyleWithoutConfig(Gpt3Family):
+    name = "token-without-config"
+    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode_style="token")
+
+
+class DecodeConfigWithPrefill(Gpt3Family):
+    name = "config-with-prefill"
+
+    def decode_config(self, config):
+        return config
+
+
+class CurrentWithPrefill(Gpt3Family):
+    name = "current-with-prefill"
+    logits_predict = "current"
+
+
+class UnknownStyle(Gpt3Family):
+    name = "unknown-style"
+    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode_style="beam")
+
+
 @pytest.mark.parametrize(
     ("faulty", "message"),
     [
+        (
+            TokenStyleWithoutConfig(),
+            "family 'token-without-config' declares decode_style='token' but does not define "
+            "decode_config(config)",
+        ),
+        (
+            DecodeConfigWithPrefill(),
+            "family 'config-with-prefill' defines decode_config(config) but declares "
+            "decode_style='prefill'",
+        ),
+        (
+            CurrentWithPrefill(),
+            "family 'current-with-prefill' predicts the current token and decodes with a "
+            "multi-token prefill",
+        ),
+        (UnknownStyle(), "family 'unknown-style' declares decode_style='beam'; known styles"),
         (
             NoAqtHook(),
             "family 'no-aqt-hook' declares Capabilities(aqt=True) but does not define "
@@ -141,7 +179,16 @@ class UnknownMode(Gpt3Family):
         ),
         (UnknownMode(), "family 'unknown-mode' declares quantization modes ['qat_int4']"),
     ],
-    ids=["capability-without-hook", "layouts-without-stack-rules", "unhashable", "unknown-mode"],
+    ids=[
+        "token-style-without-decode-config",
+        "decode-config-with-prefill-style",
+        "current-token-with-prefill",
+        "unknown-decode-style",
+        "capability-without-hook",
+        "layouts-without-stack-rules",
+        "unhashable",
+        "unknown-mode",
+    ],
 )
 def test_a_family_that_contradicts_itself_is_refused_in_one_line(faulty, message):
     with pytest.raises(families.FamilyError) as refused:

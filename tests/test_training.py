@@ -9,7 +9,13 @@ from flax import nnx
 
 from conformance import families
 from conformance.core.sharding import parse_mesh
-from conformance.runtime.training import flat_state, linen_trainer, nnx_trainer, step_streams
+from conformance.runtime.training import (
+    flat_state,
+    linen_trainer,
+    nnx_trainer,
+    step_streams,
+    target_weights,
+)
 from tests.faults.training import StrayCounterBesideRngs
 from tests.suite_run import run_check
 
@@ -82,3 +88,16 @@ def test_hygiene_accepts_declared_persistent_state(tmp_path):
     run_check(
         "hygiene", CounterDeclaredPersistent(), tmp_path, parse_mesh("data=2,fsdp=2,tensor=2")
     )
+
+
+def test_the_loss_trains_on_the_positions_whose_predicted_token_is_real():
+    """Next-token logits skip each row's last real position; current-token ones do not."""
+    segments = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.int32)
+    zeros = np.zeros_like(segments)
+    batch = families.Batch(zeros, zeros, segments, zeros)
+    expected = {
+        "next": [[1, 1, 0, 0], [1, 1, 1, 0]],
+        "current": [[1, 1, 1, 0], [1, 1, 1, 1]],
+    }
+    for predicts, weights in expected.items():
+        np.testing.assert_array_equal(target_weights(batch, predicts), weights)

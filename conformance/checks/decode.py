@@ -148,13 +148,6 @@ def _step_title(mismatch: Mismatch, lengths: np.ndarray, step: int) -> str:
     return f"decode step {step} of {DECODE_STEPS} (row {row} at position {lengths[row] + step})"
 
 
-def _chosen_from(generation: Generation, index: int, row: int) -> np.ndarray:
-    """The logits greedy token ``index`` of ``row`` was chosen from."""
-    if index == 0:
-        return generation.prefill_logits[row, generation.lengths[row] - 1]
-    return generation.step_logits[index - 1, row]
-
-
 def check_decode_consistency(case: Case) -> None:
     """On each backend, prefill and every decode step reproduce the full forward's logits.
 
@@ -250,7 +243,7 @@ def _check_tokens(linen: Generation, nnx_: Generation, index: int, stage: str) -
     lines = []
     for row in rows:
         a, b = linen.tokens[row, index], nnx_.tokens[row, index]
-        la, lb = _chosen_from(linen, index, row), _chosen_from(nnx_, index, row)
+        la, lb = linen.chosen_from(index, row), nnx_.chosen_from(index, row)
         lines.append(
             f"row {row}: Linen token {a} (logit {la[a]!r}, NNX gives it {lb[a]!r}); "
             f"NNX token {b} (logit {lb[b]!r}, Linen gives it {la[b]!r})"

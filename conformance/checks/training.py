@@ -345,7 +345,8 @@ def check_dropout(case: Case) -> None:
     batch = case.batch()
     for side in live_pair(noisy):
         params = side.init(0)
-        loss_sum, count = masked_token_loss(side.forward(params, batch)[0], batch)
+        logits = side.forward(params, batch)[0]
+        loss_sum, count = masked_token_loss(logits, batch, noisy.family.logits_predict)
         runs = [_dropout_losses(side, params, batch) for _ in range(2)]
         if runs[0] != runs[1]:
             fail(

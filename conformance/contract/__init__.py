@@ -12,6 +12,8 @@ from conformance.contract.discovery import (
     select,
 )
 from conformance.contract.family import (
+    DECODE_STYLES,
+    PREDICTIONS,
     QUANTIZATION_MODES,
     Batch,
     Capabilities,
@@ -31,6 +33,8 @@ __all__ = [
     "Family",
     "FamilyError",
     "LogicalRules",
+    "DECODE_STYLES",
+    "PREDICTIONS",
     "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",

@@ -28,6 +28,12 @@ QUANTIZATION_MODES = ("qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8")
 """The Qwix modes a family may declare: QAT (fake-quantized forward over float
 parameters) or PTQ (``qvalue`` plus ``scale`` parameters), in int8 or fp8 (e4m3)."""
 
+DECODE_STYLES = ("prefill", "token")
+"""How a family decodes: :attr:`Capabilities.decode_style`."""
+
+PREDICTIONS = ("next", "current")
+"""What the logits at a position predict: :attr:`Family.logits_predict`."""
+
 BACKENDS = ("linen", "nnx")
 """The backends a family is written for, by id (test ids, checkpoints, references)."""
 
@@ -41,11 +47,14 @@ class FamilyError(LookupError):
 class Batch:
     """A deterministic batch: int32 arrays of shape ``[batch, seq]``.
 
-    ``segment_ids`` is nonzero on real tokens and 0 on padding; ``targets`` are the next
-    tokens. The loss trains on the target at a position when that position and the next
-    are real (so never on the last column, nor past a row's end): no token value is
-    treated as padding. A pytree, so it can be passed to jitted functions and placed
-    with ``device_put``.
+    ``segment_ids`` is nonzero on real tokens and 0 on padding; ``targets`` are what
+    the logits predict (:attr:`Family.logits_predict`): the next tokens, or the tokens
+    themselves for a model that shifts its inputs internally. The loss trains on the
+    target at a position when the position it predicts is real (for next-token logits,
+    never the last column nor past a row's end): no token value is treated as padding,
+    so a model that masks by token value (``tokens > 0``) must give padding token 0 and
+    no real token 0. A pytree, so it can be passed to jitted functions and placed with
+    ``device_put``.
     """
 
     tokens: jax.Array
@@ -83,7 +92,15 @@ class Capabilities:
     dropout: bool = False
     """:meth:`Family.variant` gives a config with dropout (``dropout``)."""
     decode: bool = False
-    """Prefill and decode with a KV cache (the ``mode`` keyword; see :class:`Family`)."""
+    """Serving through a KV cache, in the :attr:`decode_style` the family declares."""
+    decode_style: str = "prefill"
+    """How the family decodes (see :class:`Family`), one of :data:`DECODE_STYLES`:
+    ``"prefill"`` (MaxText's: a call-time ``mode`` keyword, a multi-token prefill of
+    right-padded prompts, then one token per row at its own position) or ``"token"``
+    (Flax's examples': decoding selected by :meth:`Family.decode_config`, one token per
+    call at one position for all rows, the prompt fed token by token, the cache index kept
+    by the model). ``"token"`` requires :meth:`Family.decode_config`; ``"prefill"`` must
+    not define it."""
     quantization: frozenset[str] = frozenset()
     """Qwix modes (names in :data:`QUANTIZATION_MODES`) the family supports."""
     aqt: bool = False
@@ -132,13 +149,21 @@ class Family(abc.ABC):
       ``nn.scan`` (README, "Localisation").
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
       NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
-    * With ``Capabilities(decode=True)``, both sides also take a call-time keyword
-      ``mode``: ``"forward"`` (the default), ``"prefill"`` (a right-padded prompt, whose
-      keys and values fill the cache) or ``"decode"`` (one token per row, at the
-      positions given, against the cache). Linen keeps the cache in the ``cache``
-      collection, created empty by ``init(..., mode="prefill")``; NNX keeps it in
-      ``nnx.Cache`` variables created empty by ``model.init_cache(batch_size)``. Cache
-      leaves carry logical axis names and map between backends by :meth:`path_rules`.
+    * With ``Capabilities(decode=True)`` and ``decode_style="prefill"`` (the default),
+      both sides also take a call-time keyword ``mode``: ``"forward"`` (the default),
+      ``"prefill"`` (a right-padded prompt, whose keys and values fill the cache) or
+      ``"decode"`` (one token per row, at the positions given, against the cache).
+      Linen keeps the cache in the ``cache`` collection, created empty by ``init(...,
+      mode="prefill")``; NNX keeps it in ``nnx.Cache`` variables created empty by
+      ``model.init_cache(batch_size)``. Cache leaves carry logical axis names and map
+      between backends by :meth:`path_rules`.
+    * With ``decode_style="token"`` (Flax's examples), the modules of
+      :meth:`decode_config` decode: each call takes one token per row, ``[batch, 1]``,
+      at one position for every row, and the model advances its own cache index. Linen
+      creates the empty ``cache`` collection with ``init`` on a full-length batch; NNX
+      with ``model.init_cache(batch_size)``. The harness feeds each prompt token by
+      token, then the greedy tokens; with ``logits_predict="current"`` the token fed at
+      a position is the one before it (0 at the first), as the model's own shift does.
     * With ``Capabilities(vocab_tiling=True)``, the modules of a
       :meth:`vocab_tiling_config` also take the keywords ``targets`` and
       ``target_weights`` (``[batch, seq]``) in a training call and then return the
@@ -182,6 +207,13 @@ class Family(abc.ABC):
     """NNX Variable types beside ``nnx.Param`` that are persistent model state (MaxText's
     ``MoEBiasVar``): the train state keeps them, a recorded one-step state must hold them
     (``recorded_resume``), and ``hygiene`` does not report them as transient."""
+
+    logits_predict: str = "next"
+    """What the logits at position ``i`` predict, one of :data:`PREDICTIONS`: ``"next"``,
+    ``tokens[i + 1]`` (the batch's ``targets`` are the next tokens), or ``"current"``,
+    ``tokens[i]``, for a model that shifts its inputs right internally (Flax's lm1b; its
+    ``targets`` are the tokens). The loss trains only on positions whose predicted token
+    is real; decoding feeds what the prediction needs (see :class:`Family`)."""
 
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
@@ -332,6 +364,15 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support FP8 training")
+
+    def decode_config(self, config: Any) -> Any:
+        """``config`` whose modules decode one token per call (Flax's ``decode=True``).
+
+        They hold exactly ``config``'s parameters. Required with
+        ``Capabilities(decode_style="token")``, and only then.
+        """
+        del config
+        raise FamilyError(f"{self.name} has no token-by-token decode config")
 
     def vocab_tiling_config(self, config: Any, tiles: int) -> Any:
         """``config`` whose training loss computes the logits ``tiles`` slices at a time.

@@ -8,7 +8,14 @@ family with any (:func:`validate`).
 
 from __future__ import annotations
 
-from conformance.contract.family import BACKENDS, QUANTIZATION_MODES, Family, FamilyError
+from conformance.contract.family import (
+    BACKENDS,
+    DECODE_STYLES,
+    PREDICTIONS,
+    QUANTIZATION_MODES,
+    Family,
+    FamilyError,
+)
 
 HOOKS: dict[str, str] = {
     "remat": "variant(config, *, remat, dropout)",
@@ -29,7 +36,8 @@ def problems(family: Family) -> list[str]:
     """Everything wrong with ``family``'s declarations, one line each; empty if nothing.
 
     A declared capability without its hook (:data:`HOOKS`), both layer layouts without
-    ``layer_stack_rules``, an unknown quantization mode or recorded backend, no Linen
+    ``layer_stack_rules``, a decode style or prediction that does not hold together
+    (:func:`_decoding`), an unknown quantization mode or recorded backend, no Linen
     module and no recorded reference, no size or layout, and (when the family can run
     here) a config that is not hashable.
     """
@@ -54,6 +62,7 @@ def problems(family: Family) -> list[str]:
             f"family {name!r} declares recorded references of {unknown}; backends: "
             f"{', '.join(BACKENDS)}"
         )
+    found += _decoding(family)
     if not family.has_linen and not caps.recorded:
         found.append(
             f"family {name!r} defines no linen_module and declares no recorded reference "
@@ -73,6 +82,45 @@ def problems(family: Family) -> list[str]:
                     "use a frozen dataclass"
                 )
                 break
+    return found
+
+
+def _decoding(family: Family) -> list[str]:
+    """What is wrong with how ``family`` says it decodes and what its logits predict."""
+    caps, name = family.capabilities, family.name
+    if caps.decode_style not in DECODE_STYLES:
+        return [
+            f"family {name!r} declares decode_style={caps.decode_style!r}; known styles: "
+            f"{', '.join(DECODE_STYLES)}"
+        ]
+    if family.logits_predict not in PREDICTIONS:
+        return [
+            f"family {name!r} declares logits_predict={family.logits_predict!r}; known: "
+            f"{', '.join(PREDICTIONS)}"
+        ]
+    token, defines = caps.decode_style == "token", _overrides(family, "decode_config")
+    found = []
+    if token and not caps.decode:
+        found.append(
+            f"family {name!r} declares decode_style='token' but not Capabilities(decode=True)"
+        )
+    if token and not defines:
+        found.append(
+            f"family {name!r} declares decode_style='token' but does not define "
+            "decode_config(config), whose modules decode one token per call"
+        )
+    if defines and not token:
+        found.append(
+            f"family {name!r} defines decode_config(config) but declares "
+            f"decode_style={caps.decode_style!r}: declare decode_style='token' to decode "
+            "token by token, or drop decode_config"
+        )
+    if caps.decode and not token and family.logits_predict == "current":
+        found.append(
+            f"family {name!r} predicts the current token and decodes with a multi-token "
+            "prefill: a model that shifts its inputs decodes token by token "
+            "(decode_style='token')"
+        )
     return found
 
 

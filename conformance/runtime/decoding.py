@@ -53,25 +53,48 @@ def _jitted(
     return cache[key]
 
 
+def by_token(family: Family) -> bool:
+    """Whether ``family`` decodes token by token (``decode_style="token"``)."""
+    return family.capabilities.decode_style == "token"
+
+
+def _serving(family: Family, config: Any) -> Any:
+    """The config ``family`` serves ``config`` with.
+
+    Its :meth:`~Family.decode_config` when it decodes token by token, else ``config``
+    itself (whose modules take a ``mode`` keyword).
+    """
+    return family.decode_config(config) if by_token(family) else config
+
+
+def _mode(family: Family, mode: str) -> dict[str, str]:
+    """The call keywords selecting ``mode``: ``{"mode": mode}``.
+
+    None for token-by-token decoding, which the serving config selects.
+    """
+    return {} if by_token(family) else {"mode": mode}
+
+
 class LinenDecoder:
     """A Linen family served through its ``cache`` collection, for ``rows`` prompts."""
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
         self.family, self.config, self.rows = family, config, rows
-        self.module = linen_runner(family, config).module
+        self.module = linen_runner(family, _serving(family, config)).module
         example = model_inputs(family.batch(config, rows))
-        init = functools.partial(self.module.init, mode="prefill")
+        init = functools.partial(self.module.init, **_mode(family, "prefill"))
         boxed = jax.eval_shape(init, jax.random.key(0), *example).get("cache")
         if not boxed:
-            raise DecodeError(
-                f"{family.name}: Linen init in mode='prefill' created no 'cache' collection"
-            )
+            how = "decode_config" if by_token(family) else "mode='prefill'"
+            raise DecodeError(f"{family.name}: Linen init in {how} created no 'cache' collection")
         self.logical: dict[str, Logical] = linen_logical(boxed)
         self.specs: dict[str, LeafSpec] = specs(flatten(nn.meta.unbox(boxed)))
         self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
 
     def _init_impl(self, batch: Batch) -> Any:
-        variables = self.module.init(jax.random.key(0), *model_inputs(batch), mode="prefill")
+        variables = self.module.init(
+            jax.random.key(0), *model_inputs(batch), **_mode(self.family, "prefill")
+        )
         return nn.meta.unbox(variables["cache"])
 
     def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
@@ -81,7 +104,10 @@ class LinenDecoder:
 
     def _serve(self, params: Any, cache: Any, batch: Batch, *, mode: str) -> Any:
         logits, mutated = self.module.apply(
-            {"params": params, "cache": cache}, *model_inputs(batch), mode=mode, mutable=["cache"]
+            {"params": params, "cache": cache},
+            *model_inputs(batch),
+            **_mode(self.family, mode),
+            mutable=["cache"],
         )
         return logits, nn.meta.unbox(mutated["cache"])
 
@@ -109,7 +135,7 @@ class NnxDecoder:
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
         self.family, self.config, self.rows = family, config, rows
-        self.runner = nnx_runner(family, config)
+        self.runner = nnx_runner(family, _serving(family, config))
         if not callable(getattr(nnx.eval_shape(lambda: self.runner.build(0)), "init_cache", None)):
             raise DecodeError(f"{family.name}: the NNX module has no init_cache(batch_size)")
         abstract = nnx.eval_shape(lambda: self._with_cache(0))
@@ -144,7 +170,7 @@ class NnxDecoder:
         self, params: nnx.State, cache: nnx.State, rest: nnx.State, batch: Batch, *, mode: str
     ) -> Any:
         model = nnx.merge(self.graphdef, params, cache, rest)
-        logits = model(*model_inputs(batch), mode=mode)
+        logits = model(*model_inputs(batch), **_mode(self.family, mode))
         return logits, _values(nnx.state(model, nnx.Cache))
 
     def run(
@@ -191,11 +217,13 @@ def prompt_batch(family: Family, config: Any, rows: int, steps: int) -> tuple[Ba
     Prompts are half the family's :meth:`~Family.sequence_length` wide; row ``i`` holds
     ``width - i`` real tokens of the family's batch, so every row differs (padding slots
     hold token 0 with segment id 0). Raises :class:`DecodeError` unless every row has a
-    token and room for ``steps`` more.
+    token and room for ``steps`` more (one more when logits predict the current token:
+    the last token is chosen at the position after the last step).
     """
     length = family.sequence_length(config)
     width = length // 2
-    if rows > width or width + steps > length:
+    needed = steps + (family.logits_predict == "current")
+    if rows > width or width + needed > length:
         raise DecodeError(
             f"{family.name}: sequence length {length} leaves no room for {rows} "
             f"prompts of different lengths followed by {steps} decode steps"
@@ -238,9 +266,20 @@ class Generation:
     step_logits: np.ndarray
     """``[steps, rows, vocab]``: decode step ``t`` ran at position ``lengths + t``."""
     tokens: np.ndarray
-    """``[rows, steps + 1]`` greedy tokens: the first from prefill, then one per step."""
+    """``[rows, steps + 1]`` greedy tokens at positions ``lengths + k``: for next-token
+    logits the first chosen at prefill, then one per step."""
     caches: tuple[Flat, ...]
-    """The cache after prefill, then after each decode step, as host arrays."""
+    """The cache after prefill, then after each decode step, as host arrays (token by
+    token: after the call at the prompt's last position, then after each later call)."""
+    predicts: str = "next"
+    """What the logits predict (:attr:`~conformance.contract.Family.logits_predict`)."""
+
+    def chosen_from(self, index: int, row: int) -> np.ndarray:
+        """The logits ``row``'s greedy token ``index`` was chosen from."""
+        position = int(self.lengths[row]) + index - (self.predicts == "next")
+        if position < self.prefill_logits.shape[1] and position < self.lengths[row]:
+            return self.prefill_logits[row, position]
+        return self.step_logits[position - int(self.lengths[row]), row]
 
     def sequence(self, seq_len: int) -> Batch:
         """The prompts followed by the tokens fed to decode, padded to ``seq_len``."""
@@ -251,8 +290,9 @@ class Generation:
             tokens[row, :length] = prompt[row, :length]
             tokens[row, length : length + steps] = self.tokens[row, :steps]
         real = np.arange(seq_len)[None, :] < (self.lengths + steps)[:, None]
-        targets = np.zeros_like(tokens)
-        targets[:, :-1] = tokens[:, 1:]
+        targets = tokens.copy()
+        if self.predicts == "next":
+            targets[:, :-1], targets[:, -1] = tokens[:, 1:], 0
         return Batch(
             tokens=jnp.asarray(tokens),
             positions=jnp.asarray(np.broadcast_to(np.arange(seq_len, dtype=np.int32), real.shape)),
@@ -275,8 +315,11 @@ def generate(
     Every call goes through ``place`` (which shards a batch) and keeps the cache with
     ``shardings``. The token after the prompt is the argmax of the prefill logits at
     each row's last real token; each decode step feeds the previous token at position
-    :func:`decode_positions`.
+    :func:`decode_positions`. A family that decodes token by token is served by
+    :func:`_by_token` instead, into the same :class:`Generation`.
     """
+    if by_token(decoder.family):
+        return _by_token(decoder, params, prompt, lengths, steps, place, shardings)
     rows = len(lengths)
     positions = seam("decode_positions", decode_positions)
     cache = decoder.init_cache(shardings)
@@ -305,6 +348,60 @@ def generate(
         step_logits=np.stack(step_logits),
         tokens=np.stack(tokens, axis=1),
         caches=tuple(caches),
+    )
+
+
+def _by_token(
+    decoder: LinenDecoder | NnxDecoder,
+    params: Flat,
+    prompt: Batch,
+    lengths: np.ndarray,
+    steps: int,
+    place: Callable[[Batch], Batch],
+    shardings: CacheShardings | None,
+) -> Generation:
+    """:func:`generate` for a family that decodes one token per call, as Flax's examples do.
+
+    Every call feeds one token per row at one position for all rows, from 0 on: a row's
+    prompt token while the position is inside its prompt, then its greedy tokens. For
+    next-token logits the token fed at position ``p`` is the one at ``p``; for
+    current-token logits (the model shifts its inputs) it is the one at ``p - 1``, and 0
+    at position 0. The logits at a row's prompt positions are its prefill logits, those
+    at ``lengths + t`` its decode step ``t``.
+    """
+    rows, width = prompt.tokens.shape
+    ahead = int(decoder.family.logits_predict == "next")
+    calls = width + steps + 1 - ahead
+    sequence = np.zeros((rows, calls + 1), np.int32)
+    sequence[:, :width] = host_array(prompt.tokens)
+    ones = np.ones((rows, 1), np.int32)
+    cache = decoder.init_cache(shardings)
+    logits, caches = [], []
+    for position in range(calls):
+        fed = position - 1 + ahead
+        batch = Batch(
+            tokens=jnp.asarray(sequence[:, fed : fed + 1] if fed >= 0 else 0 * ones),
+            positions=jnp.asarray(position * ones),
+            segment_ids=jnp.asarray(ones),
+            targets=jnp.zeros((rows, 1), jnp.int32),
+        )
+        out, cache = decoder.run("decode", params, cache, place(batch), shardings)
+        logits.append(host_array(out)[:, 0])
+        chosen = position + ahead
+        generated = chosen >= lengths
+        sequence[generated, chosen] = logits[-1][generated].argmax(-1)
+        if position >= width - 1:
+            caches.append(_on_host(cache))
+    every = np.stack(logits, axis=1)
+    rows_at = np.arange(rows)
+    return Generation(
+        prompt=prompt,
+        lengths=lengths,
+        prefill_logits=every[:, :width],
+        step_logits=np.stack([every[rows_at, lengths + t] for t in range(steps)]),
+        tokens=np.stack([sequence[rows_at, lengths + k] for k in range(steps + 1)], axis=1),
+        caches=tuple(caches),
+        predicts=decoder.family.logits_predict,
     )
 
 

@@ -5,13 +5,14 @@ Both sides keep a persistent train state with the same canonical paths:
 ``optimizer/step``. A step maps ``(state, batch)`` to ``(next state, metrics)`` with
 metrics ``loss`` and per-leaf ``grads``, jitted with explicit in and out shardings.
 
-The loss is next-token cross entropy over real targets (a position and the next both
-real, by segment id; no token value is taken for padding), optimised with AdamW under a
-warmup-cosine schedule after global-norm clipping. With ``micro_batches > 1`` the batch
-is split along its first axis, and summed losses, token counts and gradients are
-accumulated before one update, so the result equals a step on the whole batch. With
-``vocab_tiles > 1`` the family's :meth:`~conformance.contract.Family.vocab_tiling_config`
-computes the loss inside the model, and the step differentiates its mean.
+The loss is cross entropy against the batch's targets where they are real (by segment
+id, for what the family's logits predict; no token value is taken for padding),
+optimised with AdamW under a warmup-cosine schedule after global-norm clipping. With
+``micro_batches > 1`` the batch is split along its first axis, and summed losses, token
+counts and gradients are accumulated before one update, so the result equals a step on
+the whole batch. With ``vocab_tiles > 1`` the family's
+:meth:`~conformance.contract.Family.vocab_tiling_config` computes the loss inside the
+model, and the step differentiates its mean.
 
 NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
 variables; Linen takes them per call. The NNX train state leaves them out, so both train
@@ -63,37 +64,51 @@ def make_optimizer() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
 
 
-def target_weights(batch: Batch) -> jax.Array:
-    """1.0 where a target is real (its position and the next are real tokens), else 0.0."""
+def target_weights(batch: Batch, predicts: str = "next") -> jax.Array:
+    """1.0 where a target is real, else 0.0.
+
+    A target is real when the token the logits predict is: for ``predicts="next"``
+    (:attr:`~conformance.contract.Family.logits_predict`) the position and the next are
+    real tokens; for ``"current"`` the position is.
+    """
     real = batch.segment_ids != 0
+    if predicts == "current":
+        return real.astype(jnp.float32)
     follows = jnp.zeros_like(real).at[:, :-1].set(real[:, 1:])
     return (real & follows).astype(jnp.float32)
 
 
-def masked_token_loss(logits: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
-    """Summed next-token cross entropy over real targets, and how many targets were real."""
-    weights = target_weights(batch)
+def masked_token_loss(
+    logits: jax.Array, batch: Batch, predicts: str = "next"
+) -> tuple[jax.Array, jax.Array]:
+    """Summed cross entropy against the batch's targets where they are real, and how many were.
+
+    ``predicts`` is the family's :attr:`~conformance.contract.Family.logits_predict`.
+    """
+    weights = target_weights(batch, predicts)
     losses = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch.targets
     )
     return jnp.sum(losses * weights), jnp.sum(weights)
 
 
-def loss_inputs(batch: Batch) -> dict[str, jax.Array]:
+def loss_inputs(batch: Batch, predicts: str = "next") -> dict[str, jax.Array]:
     """The keywords a vocab-tiled module computes its own loss from."""
-    return {"targets": batch.targets, "target_weights": target_weights(batch)}
+    return {"targets": batch.targets, "target_weights": target_weights(batch, predicts)}
 
 
-def model_loss(loss_sum: jax.Array, batch: Batch) -> tuple[jax.Array, jax.Array]:
+def model_loss(
+    loss_sum: jax.Array, batch: Batch, predicts: str = "next"
+) -> tuple[jax.Array, jax.Array]:
     """A vocab-tiled module's own summed loss, and how many targets were real."""
-    return loss_sum.astype(jnp.float32), jnp.sum(target_weights(batch))
+    return loss_sum.astype(jnp.float32), jnp.sum(target_weights(batch, predicts))
 
 
 OverwriteWithGradient = variablelib.variable_type_from_name(OVERWRITE, allow_register=True)
 """The NNX Variable type of :data:`OVERWRITE` (what ``nnx.bridge`` makes of the collection)."""
 
 
-def _objective(loss: LossFn, tiled: bool, overwrite: bool) -> LossFn:
+def _objective(loss: LossFn, tiled: bool, overwrite: bool, predicts: str) -> LossFn:
     """What a step differentiates: ``loss`` summed with its count, or a mean counted as 1.
 
     A vocab-tiled model computes its loss itself (:func:`model_loss` replaces ``loss``).
@@ -103,7 +118,7 @@ def _objective(loss: LossFn, tiled: bool, overwrite: bool) -> LossFn:
     gradients by the count, which lets micro-batches accumulate.
     """
     if tiled:
-        loss = model_loss
+        loss = functools.partial(model_loss, predicts=predicts)
     if not (tiled or overwrite):
         return loss
 
@@ -237,7 +252,13 @@ class LinenTrainer:
         base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
         rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
-        objective = _objective(masked_token_loss, self.tiled, bool(self.overwrite))
+        predicts = self.runner.family.logits_predict
+        objective = _objective(
+            functools.partial(masked_token_loss, predicts=predicts),
+            self.tiled,
+            bool(self.overwrite),
+            predicts,
+        )
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
             logits = module.apply(
@@ -247,7 +268,7 @@ class LinenTrainer:
                 micro.segment_ids,
                 rngs=rngs,
                 **self.train_kwargs,
-                **(loss_inputs(micro) if self.tiled else {}),
+                **(loss_inputs(micro, predicts) if self.tiled else {}),
             )
             return objective(logits, micro)
 
@@ -337,7 +358,8 @@ class NnxTrainer:
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         self.forward = seam("nnx_training_forward", nnx_training_forward)
-        self.loss = seam("nnx_loss", masked_token_loss)
+        self.predicts = family.logits_predict
+        self.loss = seam("nnx_loss", functools.partial(masked_token_loss, predicts=self.predicts))
         self.accumulate = seam("nnx_accumulate", accumulate)
         self.train_state = seam("nnx_train_state", NnxTrainState)
         abstract = nnx.eval_shape(lambda: self.train_state(self.runner.build(0), self.tx))
@@ -380,10 +402,11 @@ class NnxTrainer:
         streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
         train = nnx.merge(self.graphdef, streams, state)
 
-        objective = _objective(self.loss, self.tiled, self.overwrite)
+        objective = _objective(self.loss, self.tiled, self.overwrite, self.predicts)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
-            kwargs = {**self.train_kwargs, **(loss_inputs(micro) if self.tiled else {})}
+            tiling = loss_inputs(micro, self.predicts) if self.tiled else {}
+            kwargs = {**self.train_kwargs, **tiling}
             return objective(self.forward(model, micro, kwargs), micro)
 
         wrt = nnx.Any(nnx.Param, OverwriteWithGradient) if self.overwrite else nnx.Param

@@ -2,8 +2,10 @@
 
 ``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
 repository's built-in families) installed as a throwaway distribution whose entry
-points register two families: ``toy-minimal`` declares no optional capability,
-``toy-full`` declares layouts, remat, dropout, decode and Qwix QAT. The suite runs on both at
+points register three families: ``toy-minimal`` declares no optional capability,
+``toy-full`` declares layouts, remat, dropout, decode (MaxText's prefill style) and Qwix
+QAT, and ``toy-lm`` is written as Flax's examples are: decoding token by token through
+its ``decode_config``, logits that predict the current token. The suite runs on both at
 the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
 first, then the whole suite must pass, and every skip must carry a reason.
 """
@@ -18,10 +20,11 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-FAMILIES = ("toy-minimal", "toy-full")
+FAMILIES = ("toy-minimal", "toy-full", "toy-lm")
 ENTRY_POINTS = """[conformance.families]
 toy-minimal = toyzoo.families:ToyMinimal
 toy-full = toyzoo.families:ToyFull
+toy-lm = toyzoo.families:ToyLm
 """
 
 
@@ -114,6 +117,12 @@ def test_the_full_zoo_runs_what_it_declares(zoo_run):
     full = checks_run(junit, "toy-full")
     declared = {"dropout", "layout", "decode_cache", "decode_consistency", "decode"}
     assert declared | {"quant_forward", "checkpoint_conversion"} <= full
+
+
+def test_the_flax_style_zoo_decodes_token_by_token(zoo_run):
+    _, junit, _ = zoo_run
+    lm = checks_run(junit, "toy-lm")
+    assert {"decode_cache", "decode_consistency", "decode", "train_step"} <= lm
 
 
 def test_the_goldens_are_the_zoos_own(zoo_run):

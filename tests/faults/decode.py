@@ -6,6 +6,8 @@ import jax.numpy as jnp
 
 from conformance.runtime.decoding import decode_positions
 from conformance_models import nnx_layers
+from tests.contract.toyzoo import flaxlm
+from tests.contract.toyzoo.families import ToyLm
 from tests.faults.fault import Fault, Gpt3, Llama
 
 _serve_call = nnx_layers.KVCache.__call__
@@ -51,7 +53,38 @@ def positions_not_advanced(lengths, step):
     return decode_positions(lengths, 0)
 
 
+_token_call = flaxlm.NnxAttention.__call__
+
+
+def _token_index_stuck(self, x, segment_ids):
+    """Token-by-token NNX attention that writes its cache but never advances its index."""
+    out = _token_call(self, x, segment_ids)
+    if self.config.decode:
+        self.index[...] = self.index[...] - 1
+    return out
+
+
+class ToyLmPredictsNext(ToyLm):
+    """The Flax-style toy declares next-token logits, but its model shifts its inputs."""
+
+    logits_predict = "next"
+
+
 FAULTS = (
+    Fault(
+        ToyLm(),
+        "decode_consistency",
+        (
+            "NNX prefill vs the full-sequence forward",
+            "logits:",
+        ),
+        model_patch=(flaxlm.NnxAttention, "__call__", _token_index_stuck),
+    ),
+    Fault(
+        ToyLmPredictsNext(),
+        "decode_consistency",
+        ("Linen prefill vs the full-sequence forward", "logits:"),
+    ),
     Fault(
         Llama(),
         "decode",

@@ -1,4 +1,6 @@
-"""The zoo's two conformance families: one with no optional capability, one with them."""
+"""The zoo's conformance families: one with no optional capability, one with them, and one
+written as Flax's own examples are (decoding by config, token by token; logits that
+predict the current token)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from flax import nnx
 
 from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
 
+from .flaxlm import LinenLm, LmConfig, NnxLm
 from .models import RULES, LinenToy, NnxToy, ToyConfig
 
 SIZES = {
@@ -87,3 +90,54 @@ class ToyFull(ToyMinimal):
 
     def layer_stack_rules(self, config: ToyConfig) -> PathRules:
         return ((r"^block_(?P<layer>\d+)/", "blocks/"),)
+
+
+class ToyLm(Family):
+    """Written as Flax's examples are: decoding by config, logits of the current token.
+
+    ``decode_config`` decodes one token per call, and the model shifts its inputs, so
+    its logits predict the current token.
+    """
+
+    name = "toy-lm"
+    capabilities = Capabilities(decode=True, decode_style="token")
+    logits_predict = "current"
+    unsupported: Mapping[str, str] = MappingProxyType(
+        {"scan_layers": "its blocks are a Python list, never stacked"}
+    )
+
+    def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> LmConfig:
+        del size, scan_layers
+        return LmConfig(vocab=64, width=32, depth=2, length=32, dtype=dtype)
+
+    def decode_config(self, config: LmConfig) -> LmConfig:
+        return dataclasses.replace(config, decode=True)
+
+    def linen_module(self, config: LmConfig) -> nn.Module:
+        return LinenLm(config)
+
+    def nnx_module(self, config: LmConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return NnxLm(config, rngs)
+
+    def batch(self, config: LmConfig, batch_size: int, seed: int = 0) -> Batch:
+        """Tokens from 1 (0 is the model's start token); row i ends in i pads.
+
+        The targets are the tokens themselves: the logits predict the current token.
+        """
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(1, config.vocab, (batch_size, config.length), dtype=np.int32)
+        length = np.arange(config.length)
+        real = length[None, :] < config.length - np.arange(batch_size)[:, None] % config.length
+        tokens = np.where(real, tokens, 0)
+        return Batch(
+            tokens=jnp.asarray(tokens),
+            positions=jnp.asarray(np.broadcast_to(length, real.shape), jnp.int32),
+            segment_ids=jnp.asarray(real, jnp.int32),
+            targets=jnp.asarray(tokens),
+        )
+
+    def path_rules(self, config: LmConfig) -> PathRules:
+        return ((r"^block_(\d+)/", r"blocks/\1/"), (r"^norm_(\d+)/", r"norms/\1/"))
+
+    def logical_axis_rules(self) -> LogicalRules:
+        return RULES
