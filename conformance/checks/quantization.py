@@ -29,7 +29,7 @@ from conformance.checks.kernel import (
 )
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import EXACT, compare_arrays, compare_trees
+from conformance.core.numerics import EXACT, Mismatch, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import (
     PathMapError,
@@ -111,7 +111,7 @@ def check_quant_forward(case: Case) -> None:
         mismatches = compare_trees(moved, nnx_q)
         if mismatches:
             title = f"{quant} quantized parameters on mesh {case.mesh.id}"
-            fail(failed(title, mismatches, (linen.name, nnx_.name)))
+            fail(failed(title, mismatches, (linen.name, nnx_.name)) + _stored_float(mismatches))
     batch = case.batch()
     floats = (linen.unquantized(), nnx_.unquantized())
     float_logits = tuple(
@@ -141,6 +141,24 @@ def check_quant_forward(case: Case) -> None:
     ):
         where = f"{side.name} {quant} on mesh {case.mesh.id}"
         error_bound(where, logits, reference, mode.max_error)
+
+
+def _stored_float(mismatches: list[Mismatch]) -> str:
+    """Why kernels that one side stores as ``qvalue`` and ``scale`` stay float on the other.
+
+    Empty when no leaf is missing that way.
+    """
+    one_sided = {m.path for m in mismatches if m.missing_on is not None}
+    quantized = {p.rsplit("/", 2)[0] for p in one_sided if p.endswith("/qvalue")}
+    float_kept = sorted(p for p in one_sided if p in quantized)
+    if not float_kept:
+        return ""
+    return (
+        f"\n  {len(float_kept)} kernel(s) stay float on one side and are stored quantized on "
+        f"the other (first: {float_kept[0]}): Qwix's PTQ stores a kernel as qvalue and scale "
+        "only where an intercepted operation takes the parameter itself; a kernel "
+        "concatenated, reshaped or sliced before its dot_general is quantized at run time"
+    )
 
 
 def _nnx_transients(model: nnx.Module, allowed: set[type]) -> list[str]:

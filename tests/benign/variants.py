@@ -2,11 +2,12 @@
 
 The mirror of the planted faults. Each variant changes how the built-in llama's NNX side
 computes, never what: another order of sub-calls, another attention kernel, another
-formula for the same normalisation, ``einsum`` for ``dot_general``. Every check listed
-for a variant must pass on it; a harness that fails one cries wolf. Float rounding that
-quantization carries across quantization steps passes through the quantization-aware
-policy (:mod:`conformance.core.rounding`). A check that rightly sees a real difference
-in a variant is listed with why, as a strict expected failure.
+formula for the same normalisation, one fused projection for three, ``einsum`` for
+``dot_general``. Every check listed for a variant must pass on it; a harness that fails
+one cries wolf. Float rounding that quantization carries across quantization steps
+passes through the quantization-aware policy (:mod:`conformance.core.rounding`). A check
+that rightly sees a real difference in a variant is listed with why, as a strict
+expected failure.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
 """``(check, quantization mode)`` every variant must pass: float, decode and Qwix."""
 
 
+_FUSED_PTQ = (
+    "rightly seen: Qwix's PTQ stores a kernel as qvalue and scale only where a dot_general "
+    "takes the parameter itself, so the fused projection's NNX model keeps its query, key "
+    "and value kernels in float and quantizes their concatenation at run time (qat_int8 "
+    "passes); the report says so"
+)
 _EINSUM_PTQ = (
     "rightly seen: the float forwards agree bitwise, so the quantization-aware policy holds "
     "the quantized forwards to the float tolerance, and Qwix's PTQ computes an einsum of "
@@ -93,6 +100,30 @@ def jax_attention(
     return self.o(out.astype(self.dtype))
 
 
+def _fused_qkv(
+    self: llama_nnx.Attention,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    mode: str,
+) -> jax.Array:
+    projections = (self.q, self.k, self.v)
+    if any(p.aqt_mode is not None or p.fp8 or p.kernel is None for p in projections):
+        return _ATTENTION_CALL(self, x, positions, segment_ids, mode)
+    kernel = jnp.concatenate([p.kernel[...] for p in projections], axis=1)
+    x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel), dtype=self.dtype)
+    qkv = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    heads, kv_heads = self.q.kernel_shape[1], self.k.kernel_shape[1]
+    q, k, v = jnp.split(qkv, [heads, heads + kv_heads], axis=-2)
+    q = common.apply_rope(q, positions, self.rope_base)
+    k = common.apply_rope(k, positions, self.rope_base)
+    k, v, mask = self.kv_cache(k, v, segment_ids, mode)
+    return self.o(common.dot_product_attention(q, k, v, mask, self.dtype))
+
+
+_ATTENTION_CALL = llama_nnx.Attention.__call__
+
+
 def _einsum_projection(self: nnx_layers.DenseGeneral, x: jax.Array) -> jax.Array:
     if self.aqt_mode is not None or self.fp8 or self.kernel is None:
         return _DENSE_CALL(self, x)
@@ -134,6 +165,12 @@ VARIANTS: tuple[Variant, ...] = (
         "jax-attention",
         "attention is jax.nn.dot_product_attention (scale on the scores, XLA softmax)",
         (llama_nnx.Attention, "__call__", jax_attention),
+    ),
+    Variant(
+        "fused-qkv",
+        "one projection with the query, key and value kernels concatenated, then split",
+        (llama_nnx.Attention, "__call__", _fused_qkv),
+        expected_failures={("quant_forward", "ptq_int8"): _FUSED_PTQ},
     ),
     Variant(
         "einsum-projection",
