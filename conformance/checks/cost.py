@@ -1,20 +1,25 @@
 """Compiled-cost parity: NNX's programs cost no more than Linen's, and run the same collectives.
 
-For the forward and the train step on the case's mesh (and, for a family with remat, the
-rematerialised train step, as production trains), each side's compiled program is read
-back: the harness hands the live executable to every compile of a program it already
-compiled (:mod:`conformance.core.programs`), so reading costs no compile when the
-forward and train-step checks of the case ran first. Equal numbers do not make equal
+For the forward, the train step and (for a family that decodes) one decode call on the
+case's mesh, and, for a family with remat, the rematerialised train step, as production
+trains, each side's compiled program is read back: the harness hands the live
+executable to every compile of a program it already compiled
+(:mod:`conformance.core.programs`), so reading costs no compile when the forward,
+train-step and decode checks of the case ran first. Equal numbers do not make equal
 programs: a backend that drops remat, replicates a kernel the other shards, or stacks
 a read-only parameter per layer computes the same values at another cost.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from conformance.checks.kernel import train_pair
 from conformance.core.cost import Cost, cost_of
 from conformance.core.failure import fail_if_any
-from conformance.runtime.case import Case
+from conformance.runtime.case import BATCH_SIZE, Case
+from conformance.runtime.decoding import step_batch
+from conformance.runtime.stepping import Training
 
 BUDGET = {"flops": 1.05, "bytes_accessed": 1.10, "temp_bytes": 1.10}
 """How much more than Linen NNX may cost, per measure (NNX costing less always passes)."""
@@ -26,6 +31,18 @@ With flax 0.12.12, ``nnx.remat`` inside ``nnx.scan`` keeps more temporary memory
 ``nn.remat`` inside ``nn.scan`` for the same blocks, whoever writes them: 1.237x (gpt3),
 1.160x (llama) and 1.135x (the contract example's toy-full, written independently) on
 ``data=2,fsdp=2,tensor=2``; 1.039x and 1.015x on ``fsdp=8``. Dropping remat costs 2.6x."""
+
+
+def _decode_step(training: Training) -> Cost:
+    """The cost of one decode call of ``training``'s side: a token per row against a cache."""
+    side = training.side
+    case = side.case
+    decoder = side.decoder(BATCH_SIZE)
+    shardings = case.shardings(decoder.logical)
+    at = np.zeros((BATCH_SIZE, 1), np.int32)
+    batch = case.place(step_batch(at, at))
+    cache = decoder.init_cache(shardings)
+    return cost_of(decoder.compiled("decode", training.initial, cache, batch, shardings))
 
 
 def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
@@ -41,6 +58,8 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
             found["forward"] = tuple(
                 cost_of(t.side.runner.compiled_forward(t.initial, batch)) for t in pair
             )
+            if case.family.capabilities.decode:
+                found["decode_step"] = tuple(_decode_step(t) for t in pair)
         found[f"train_step{suffix}"] = tuple(
             cost_of(t.step.lower(t.state, batch).compile()) for t in pair
         )
@@ -71,7 +90,7 @@ def _over_budget(program: str, linen: Cost, nnx_: Cost, scanned: bool) -> list[s
 
 
 def check_cost(case: Case) -> None:
-    """NNX's forward and train step cost at most :data:`BUDGET` of Linen's, same collectives.
+    """NNX's forward, train and decode steps cost at most :data:`BUDGET` of Linen's, alike.
 
     Compared per program: flops, bytes accessed and temporary memory (NNX may cost less;
     the scanned rematerialised step's memory within :data:`SCANNED_REMAT_TEMP`), and

@@ -120,10 +120,33 @@ class LinenDecoder:
         shardings: CacheShardings | None = None,
     ) -> tuple[jax.Array, Flat]:
         """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        logits, new_cache = fn(*args)
+        return logits, flatten(new_cache)
+
+    def compiled(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> Any:
+        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn.lower(*args).compile()
+
+    def _call(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None,
+    ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda s: (None, s))
-        logits, new_cache = fn(unflatten(params), unflatten(cache), batch)
-        return logits, flatten(new_cache)
+        return fn, (unflatten(params), unflatten(cache), batch)
 
 
 class NnxDecoder:
@@ -182,11 +205,33 @@ class NnxDecoder:
         shardings: CacheShardings | None = None,
     ) -> tuple[jax.Array, Flat]:
         """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn(*args)
+
+    def compiled(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> Any:
+        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn.lower(*args).compile()
+
+    def _call(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None,
+    ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
-        return fn(
-            self.runner.state(params), self._state(cache), self.runner.rest(mesh_of(params)), batch
-        )
+        rest = self.runner.rest(mesh_of(params))
+        return fn, (self.runner.state(params), self._state(cache), rest, batch)
 
 
 def _values(cache: nnx.State) -> Flat:
@@ -247,6 +292,17 @@ def prompt_only(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     width = logits.shape[1]
     real = np.arange(width)[None, :] < lengths[:, None]
     return np.where(real[:, :, None], logits, 0)
+
+
+def step_batch(tokens: np.ndarray, positions: np.ndarray) -> Batch:
+    """One decode call's batch: a real token per row, ``[rows, 1]``, at ``positions``."""
+    ones = np.ones(tokens.shape, np.int32)
+    return Batch(
+        tokens=jnp.asarray(tokens, jnp.int32),
+        positions=jnp.asarray(positions, jnp.int32),
+        segment_ids=jnp.asarray(ones),
+        targets=jnp.zeros(tokens.shape, jnp.int32),
+    )
 
 
 def decode_positions(lengths: np.ndarray, step: int) -> np.ndarray:
@@ -328,14 +384,8 @@ def generate(
     prefill_logits = host_array(logits)
     token = prefill_logits[np.arange(rows), lengths - 1].argmax(-1).astype(np.int32)
     tokens, step_logits = [token], []
-    ones = np.ones((rows, 1), np.int32)
     for step in range(steps):
-        batch = Batch(
-            tokens=jnp.asarray(token[:, None]),
-            positions=jnp.asarray(positions(lengths, step)),
-            segment_ids=jnp.asarray(ones),
-            targets=jnp.zeros((rows, 1), jnp.int32),
-        )
+        batch = step_batch(token[:, None], positions(lengths, step))
         logits, cache = decoder.run("decode", params, cache, place(batch), shardings)
         caches.append(_on_host(cache))
         step_logits.append(host_array(logits)[:, 0])
@@ -374,17 +424,12 @@ def _by_token(
     calls = width + steps + 1 - ahead
     sequence = np.zeros((rows, calls + 1), np.int32)
     sequence[:, :width] = host_array(prompt.tokens)
-    ones = np.ones((rows, 1), np.int32)
+    at = np.zeros((rows, 1), np.int32)
     cache = decoder.init_cache(shardings)
     logits, caches = [], []
     for position in range(calls):
         fed = position - 1 + ahead
-        batch = Batch(
-            tokens=jnp.asarray(sequence[:, fed : fed + 1] if fed >= 0 else 0 * ones),
-            positions=jnp.asarray(position * ones),
-            segment_ids=jnp.asarray(ones),
-            targets=jnp.zeros((rows, 1), jnp.int32),
-        )
+        batch = step_batch(sequence[:, fed : fed + 1] if fed >= 0 else at, at + position)
         out, cache = decoder.run("decode", params, cache, place(batch), shardings)
         logits.append(host_array(out)[:, 0])
         chosen = position + ahead
