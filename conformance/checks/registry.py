@@ -177,6 +177,17 @@ _BACKENDS = (("backend", _SIDE_VALUES),)
 _LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDES)),)
 
 
+def _additive_loss(family: Family) -> str | None:
+    """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot."""
+    if names := family.capabilities.aux_losses:
+        return (
+            f"{family.name} sows auxiliary losses ({', '.join(names)}) that may be computed "
+            "from batch statistics: accumulated over micro-batches they are computed per "
+            "micro-batch, so the step need not equal the whole batch's"
+        )
+    return None
+
+
 def _against_recorded(
     name: str,
     run: Callable[..., Any],
@@ -376,7 +387,12 @@ CHECKS: dict[str, Check] = {
         ),
         # training
         Check("train_step", training.check_train_step, _ON_MESH),
-        Check("grad_accumulation", training.check_grad_accumulation, _ON_MESH),
+        Check(
+            "grad_accumulation",
+            training.check_grad_accumulation,
+            _ON_MESH,
+            requires=_additive_loss,
+        ),
         Check(
             "layout",
             training.check_layout,
@@ -414,6 +430,12 @@ CHECKS: dict[str, Check] = {
             ("family", "scan_layers"),
             where="primary",
             capability="dropout",
+        ),
+        Check(
+            "aux_losses",
+            training.check_aux_losses,
+            _ON_MESH,
+            capability="aux_losses",
         ),
         Check(
             "vocab_tiling",

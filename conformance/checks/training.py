@@ -456,3 +456,46 @@ def check_resume_conversion(case: Case, workdir: Path) -> None:
         message = step_disagreement(title, want, resumed.advance(batch), names)
         if message is not None:
             fail(message)
+
+
+def check_aux_losses(case: Case) -> None:
+    """The auxiliary losses a family sows reach the training loss, alike on both backends.
+
+    One train step from the same parameters on each side: every name the family declares
+    (:attr:`~conformance.contract.Capabilities.aux_losses`) must be added to the loss and be
+    non-zero, the two sides' values must agree under the tolerance policy, and each side's
+    loss must be its cross entropy (its own forward's logits, the harness's loss) plus
+    exactly those values: nothing strips them before the loss, nothing adds them twice.
+    """
+    names = case.family.capabilities.aux_losses
+    pair = train_pair(case)
+    batch = case.batch()
+    steps = [training.advance(batch) for training in pair]
+    problems = []
+    for training in pair:
+        side = training.side.name
+        for name in names:
+            value = training.aux.get(name)
+            if value is None:
+                problems.append(
+                    f"{name}: {side}'s train step added nothing to its loss (it was not sown, "
+                    "or something removed it before the loss)"
+                )
+            elif float(value) == 0.0:
+                problems.append(f"{name}: {side}'s train step added exactly 0 to its loss")
+    fail_if_any(f"auxiliary losses on mesh {case.mesh.id}", problems)
+    found = compare_trees(*(training.aux for training in pair))
+    if found:
+        fail(failed(f"auxiliary losses of one train step on mesh {case.mesh.id}", found))
+    for training, (_, loss, _) in zip(pair, steps, strict=True):
+        side = training.side
+        logits = side.forward(training.initial, batch)[0]
+        loss_sum, count = masked_token_loss(logits, batch, case.family.logits_predict)
+        expected = loss_sum / count + sum(training.aux.values())
+        found = compare_trees({"loss": expected}, {"loss": loss})
+        if found:
+            title = (
+                f"{side.name}'s train-step loss is not its cross entropy plus its auxiliary "
+                f"losses ({', '.join(names)}) on mesh {case.mesh.id}"
+            )
+            fail(failed(title, found, ("cross entropy + auxiliary", "train step")))

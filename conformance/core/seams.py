@@ -19,8 +19,9 @@ from typing import Any
 
 SEAMS: Mapping[str, str] = MappingProxyType(
     {
-        "nnx_training_forward": "``(model, batch, train_kwargs) -> logits``: how an NNX "
-        "train step runs the model on a micro-batch (the harness captures what it sows)",
+        "nnx_training_forward": "``(model, batch, train_kwargs) -> (logits, sown)``: how an "
+        "NNX train step runs the model on a micro-batch, and what it sowed (captured, never "
+        "stored; the auxiliary losses are read from it)",
         "nnx_loss": "``(logits, batch) -> (loss sum, target count)``: the NNX train step's "
         "loss (the harness's masked next-token cross entropy)",
         "nnx_accumulate": "``(grad_fn, batch, micro_batches, sharding) -> summed outputs``: "

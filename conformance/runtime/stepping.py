@@ -37,6 +37,9 @@ class Training:
     state: Any
     shardings: Any
     step: Any
+    aux: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The auxiliary losses the last step added to its loss, by name (see
+    :attr:`~conformance.contract.Capabilities.aux_losses`)."""
 
     @classmethod
     def start(
@@ -65,6 +68,7 @@ class Training:
     def advance(self, batch: Any) -> StepResult:
         """One step (the state advances): ``(state, loss, grads)`` by canonical paths."""
         self.state, metrics = self.step(self.state, batch)
+        self.aux = dict(metrics.get("aux", {}))
         return (
             self.side.canonical(flat_state(self.state)),
             metrics["loss"],

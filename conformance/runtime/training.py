@@ -25,7 +25,7 @@ lists the streams it set aside.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -129,6 +129,15 @@ def _objective(loss: LossFn, tiled: bool, overwrite: bool, predicts: str) -> Los
     return mean_loss
 
 
+def metrics(loss: jax.Array, grads: Any, aux: Mapping[str, jax.Array]) -> dict[str, Any]:
+    """A step's metrics: the mean ``loss``, the ``grads`` and any auxiliary losses.
+
+    ``loss`` includes the auxiliary losses; ``aux`` (only for a family that declares
+    them) holds each, summed over micro-batches.
+    """
+    return {"loss": loss, "grads": grads, **({"aux": dict(aux)} if aux else {})}
+
+
 def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> Any:
     """``config`` with the family's vocab tiling, or unchanged for one tile."""
     if vocab_tiles == 1:
@@ -194,6 +203,7 @@ class LinenTrainer:
     ) -> None:
         config = _tiled(family, config, micro_batches, vocab_tiles)
         self.runner = linen_runner(family, config, quant)
+        self.aux_names = family.capabilities.aux_losses
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
         self.overwrite = set(self.runner.overwrite)
@@ -260,17 +270,20 @@ class LinenTrainer:
             predicts,
         )
 
-        def loss_fn(params: Any, overwrite: Any, micro: Batch) -> tuple[jax.Array, jax.Array]:
-            logits = module.apply(
+        def loss_fn(params: Any, overwrite: Any, micro: Batch) -> Any:
+            applied = module.apply(
                 {"params": params, **({OVERWRITE: overwrite} if overwrite else {})},
                 micro.tokens,
                 micro.positions,
                 micro.segment_ids,
                 rngs=rngs,
+                mutable=["intermediates"] if self.aux_names else False,
                 **self.train_kwargs,
                 **(loss_inputs(micro, predicts) if self.tiled else {}),
             )
-            return objective(logits, micro)
+            outputs, sown = applied if self.aux_names else (applied, {})
+            aux = sown_losses(sown.get("intermediates", {}), self.aux_names)
+            return with_aux(objective(outputs, micro), aux)
 
         params, overwrite = state["model"], {}
         if self.overwrite:
@@ -280,7 +293,7 @@ class LinenTrainer:
         grad_fn = functools.partial(
             jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
         )
-        (loss_sum, count), (grads, overwritten) = accumulate(
+        (loss_sum, (count, aux)), (grads, overwritten) = accumulate(
             grad_fn, batch, self.micro_batches, micro_sharding
         )
         grads = jax.tree.map(lambda g: g / count, grads)
@@ -292,7 +305,7 @@ class LinenTrainer:
             "model": model,
             "optimizer": {"opt_state": opt_state, "step": opt["step"] + 1},
         }
-        return new_state, {"loss": loss_sum / count, "grads": grads}
+        return new_state, metrics(loss_sum / count, grads, aux)
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
@@ -327,12 +340,37 @@ class NnxTrainState(nnx.Module):
 
 def nnx_training_forward(
     model: nnx.Module, batch: Batch, train_kwargs: Mapping[str, Any]
-) -> jax.Array:
-    """Training-mode logits; sown intermediates are captured and dropped, never stored."""
-    logits, _ = nnx.capture(model, nnx.Intermediate)(
+) -> tuple[jax.Array, Any]:
+    """Training-mode logits and what the forward sowed: captured, never stored on the model."""
+    return nnx.capture(model, nnx.Intermediate)(
         batch.tokens, batch.positions, batch.segment_ids, **train_kwargs
     )
-    return logits
+
+
+def sown_losses(sown: Any, names: Sequence[str]) -> dict[str, jax.Array]:
+    """``{name: float32 sum of every value sown under name}`` for the ``names`` found.
+
+    ``sown`` is a Linen ``intermediates`` collection or a captured NNX state.
+    """
+    found: dict[str, jax.Array] = {}
+    for path, value in flatten(sown).items():
+        for name in set(names) & set(path.split("/")):
+            total = jnp.sum(jnp.asarray(value, jnp.float32))
+            found[name] = found[name] + total if name in found else total
+    return found
+
+
+def with_aux(
+    objective: tuple[jax.Array, jax.Array], aux: Mapping[str, jax.Array]
+) -> tuple[jax.Array, tuple[jax.Array, Mapping[str, jax.Array]]]:
+    """The value a micro-batch differentiates, with ``(count, aux)`` carried beside it.
+
+    The loss sum plus every auxiliary loss weighted by the target count, so that the mean
+    loss gains each once; the loss sum itself when there are none.
+    """
+    loss_sum, count = objective
+    total = loss_sum + sum(aux.values()) * count if aux else loss_sum
+    return total, (count, dict(aux))
 
 
 class NnxTrainer:
@@ -359,6 +397,7 @@ class NnxTrainer:
         self.tx = make_optimizer()
         self.forward = seam("nnx_training_forward", nnx_training_forward)
         self.predicts = family.logits_predict
+        self.aux_names = family.capabilities.aux_losses
         self.loss = seam("nnx_loss", functools.partial(masked_token_loss, predicts=self.predicts))
         self.accumulate = seam("nnx_accumulate", accumulate)
         self.train_state = seam("nnx_train_state", NnxTrainState)
@@ -404,14 +443,14 @@ class NnxTrainer:
 
         objective = _objective(self.loss, self.tiled, self.overwrite, self.predicts)
 
-        def loss_fn(model: nnx.Module, micro: Batch) -> tuple[jax.Array, jax.Array]:
+        def loss_fn(model: nnx.Module, micro: Batch) -> Any:
             tiling = loss_inputs(micro, self.predicts) if self.tiled else {}
-            kwargs = {**self.train_kwargs, **tiling}
-            return objective(self.forward(model, micro, kwargs), micro)
+            outputs, sown = self.forward(model, micro, {**self.train_kwargs, **tiling})
+            return with_aux(objective(outputs, micro), sown_losses(sown, self.aux_names))
 
         wrt = nnx.Any(nnx.Param, OverwriteWithGradient) if self.overwrite else nnx.Param
         grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
-        (loss_sum, count), grads = self.accumulate(
+        (loss_sum, (count, aux)), grads = self.accumulate(
             lambda micro: grad_fn(train.model, micro), batch, self.micro_batches, micro_sharding
         )
         if self.overwrite:
@@ -419,7 +458,7 @@ class NnxTrainer:
             nnx.update(train.model, overwritten)
         grads = jax.tree.map(lambda g: g / count, grads)
         train.optimizer.update(train.model, grads)
-        return nnx.state(train, nnx.Not(nnx.RngState)), {"loss": loss_sum / count, "grads": grads}
+        return nnx.state(train, nnx.Not(nnx.RngState)), metrics(loss_sum / count, grads, aux)
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""

@@ -1,5 +1,5 @@
 """Train step: parity across backends, accumulation, layout variants, hygiene, dropout,
-vocab tiling, FP8."""
+vocab tiling, FP8, auxiliary losses."""
 
 
 def test_train_step(conformance_case):
@@ -39,4 +39,8 @@ def test_vocab_tiling(conformance_case):
 
 
 def test_fp8_train_step(conformance_case):
+    conformance_case.run()
+
+
+def test_aux_losses(conformance_case):
     conformance_case.run()

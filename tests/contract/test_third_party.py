@@ -2,10 +2,11 @@
 
 ``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
 repository's built-in families) installed as a throwaway distribution whose entry
-points register three families: ``toy-minimal`` declares no optional capability,
+points register four families: ``toy-minimal`` declares no optional capability,
 ``toy-full`` declares layouts, remat, dropout, decode (MaxText's prefill style) and Qwix
-QAT, and ``toy-lm`` is written as Flax's examples are: decoding token by token through
-its ``decode_config``, logits that predict the current token. The suite runs on both at
+QAT, ``toy-lm`` is written as Flax's examples are (decoding token by token through its
+``decode_config``, logits that predict the current token), and ``toy-moe`` is a mixture
+of experts sharded on ``expert`` that sows a load-balancing loss. The suite runs on both at
 the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
 first, then the whole suite must pass, and every skip must carry a reason.
 """
@@ -20,11 +21,12 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-FAMILIES = ("toy-minimal", "toy-full", "toy-lm")
+FAMILIES = ("toy-minimal", "toy-full", "toy-lm", "toy-moe")
 ENTRY_POINTS = """[conformance.families]
 toy-minimal = toyzoo.families:ToyMinimal
 toy-full = toyzoo.families:ToyFull
 toy-lm = toyzoo.families:ToyLm
+toy-moe = toyzoo.families:ToyMoe
 """
 
 
@@ -123,6 +125,13 @@ def test_the_flax_style_zoo_decodes_token_by_token(zoo_run):
     _, junit, _ = zoo_run
     lm = checks_run(junit, "toy-lm")
     assert {"decode_cache", "decode_consistency", "decode", "train_step"} <= lm
+
+
+def test_the_mixture_of_experts_trains_with_its_load_balancing_loss(zoo_run):
+    _, junit, project = zoo_run
+    assert {"aux_losses", "train_step", "sharding"} <= checks_run(junit, "toy-moe")
+    golden = next((project / "goldens" / "toy-moe" / "sharding").glob("*.json")).read_text()
+    assert '"expert"' in golden
 
 
 def test_the_goldens_are_the_zoos_own(zoo_run):

@@ -17,6 +17,7 @@ from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
+from tests.contract.toyzoo.families import ToyMoe
 from tests.faults.fault import Fault, Llama
 
 
@@ -98,7 +99,18 @@ class PsumOverWrongAxis(LlamaFamily):
 
 def forward_without_capture(model, batch, train_kwargs):
     """The NNX training forward called directly: its sown ``hidden_states`` stay on the model."""
-    return model(batch.tokens, batch.positions, batch.segment_ids, **train_kwargs)
+    return model(batch.tokens, batch.positions, batch.segment_ids, **train_kwargs), {}
+
+
+def forward_popping_intermediates(model, batch, train_kwargs):
+    """The NNX training forward, then a generic ``nnx.pop`` of every sown intermediate.
+
+    The pop runs before the loss reads them, so a sown auxiliary loss silently drops out
+    of the loss (MaxText's multi-token-prediction loss became 0 this way).
+    """
+    logits = model(batch.tokens, batch.positions, batch.segment_ids, **train_kwargs)
+    nnx.pop(model, nnx.Intermediate)
+    return logits, {}
 
 
 def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
@@ -151,6 +163,12 @@ FAULTS = (
             "is not persistent state",
         ),
         seams={"nnx_training_forward": forward_without_capture},
+    ),
+    Fault(
+        ToyMoe(),
+        "aux_losses",
+        ("moe_lb_loss: NNX's train step added nothing to its loss",),
+        seams={"nnx_training_forward": forward_popping_intermediates},
     ),
     Fault(
         Llama(),

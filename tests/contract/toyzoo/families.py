@@ -1,6 +1,6 @@
-"""The zoo's conformance families: one with no optional capability, one with them, and one
+"""The zoo's conformance families: one with no optional capability, one with them, one
 written as Flax's own examples are (decoding by config, token by token; logits that
-predict the current token)."""
+predict the current token), and a mixture of experts with a load-balancing loss."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from conformance.families import Batch, Capabilities, Family, LogicalRules, Path
 
 from .flaxlm import LinenLm, LmConfig, NnxLm
 from .models import RULES, LinenToy, NnxToy, ToyConfig
+from .moe import AUX_LOSS, LinenMoe, MoeConfig, NnxMoe
 
 SIZES = {
     "small": ToyConfig(vocab=64, width=32, hidden=64, depth=2, length=16),
@@ -141,3 +142,35 @@ class ToyLm(Family):
 
     def logical_axis_rules(self) -> LogicalRules:
         return RULES
+
+
+class ToyMoe(Family):
+    """A mixture of experts: experts sharded on ``expert``, a sown load-balancing loss."""
+
+    name = "toy-moe"
+    capabilities = Capabilities(aux_losses=(AUX_LOSS,))
+    unsupported: Mapping[str, str] = MappingProxyType(
+        {
+            "scan_layers": "its blocks are a Python list, never stacked",
+            "decode": "it keeps no KV cache",
+        }
+    )
+
+    def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> MoeConfig:
+        del size, scan_layers
+        return MoeConfig(vocab=64, width=32, hidden=64, experts=4, depth=2, length=16, dtype=dtype)
+
+    def linen_module(self, config: MoeConfig) -> nn.Module:
+        return LinenMoe(config)
+
+    def nnx_module(self, config: MoeConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return NnxMoe(config, rngs)
+
+    def batch(self, config: MoeConfig, batch_size: int, seed: int = 0) -> Batch:
+        return ToyMinimal.batch(self, config, batch_size, seed)
+
+    def path_rules(self, config: MoeConfig) -> PathRules:
+        return ((r"^block_(\d+)/", r"blocks/\1/"),)
+
+    def logical_axis_rules(self) -> LogicalRules:
+        return (*RULES, ("expert", "data"))
