@@ -8,6 +8,7 @@ backends can only come from the models.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
@@ -75,7 +76,34 @@ def _mode(family: Family, mode: str) -> dict[str, str]:
     return {} if by_token(family) else {"mode": mode}
 
 
-class LinenDecoder:
+class _Decoder(abc.ABC):
+    """What both decoders share: each call is one jitted function of its arguments."""
+
+    @abc.abstractmethod
+    def _call(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None,
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The jitted function of a ``mode`` call and the arguments it takes."""
+
+    def compiled(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> Any:
+        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn.lower(*args).compile()
+
+
+class LinenDecoder(_Decoder):
     """A Linen family served through its ``cache`` collection, for ``rows`` prompts."""
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
@@ -124,18 +152,6 @@ class LinenDecoder:
         logits, new_cache = fn(*args)
         return logits, flatten(new_cache)
 
-    def compiled(
-        self,
-        mode: str,
-        params: Flat,
-        cache: Flat,
-        batch: Batch,
-        shardings: CacheShardings | None = None,
-    ) -> Any:
-        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        return fn.lower(*args).compile()
-
     def _call(
         self,
         mode: str,
@@ -149,7 +165,7 @@ class LinenDecoder:
         return fn, (unflatten(params), unflatten(cache), batch)
 
 
-class NnxDecoder:
+class NnxDecoder(_Decoder):
     """An NNX family served through ``nnx.Cache`` variables, for ``rows`` prompts.
 
     The model's ``init_cache(rows)`` creates the cache; non-parameter, non-cache state
@@ -207,18 +223,6 @@ class NnxDecoder:
         """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
         fn, args = self._call(mode, params, cache, batch, shardings)
         return fn(*args)
-
-    def compiled(
-        self,
-        mode: str,
-        params: Flat,
-        cache: Flat,
-        batch: Batch,
-        shardings: CacheShardings | None = None,
-    ) -> Any:
-        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        return fn.lower(*args).compile()
 
     def _call(
         self,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-INIT = nn.initializers.normal(0.02)
+from .models import INIT, linen_embed, linen_head, nnx_embed, nnx_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +95,7 @@ class LinenLm(nn.Module):
         del positions
         cfg = self.config
         inputs = tokens if cfg.decode else shift_right(tokens)
-        x = nn.Embed(
-            cfg.vocab,
-            cfg.width,
-            dtype=cfg.dtype,
-            name="embed",
-            embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")),
-        )(inputs)
+        x = linen_embed(cfg.vocab, cfg.width, cfg.dtype)(inputs)
         for i in range(cfg.depth):
             norm = nn.LayerNorm(
                 dtype=cfg.dtype,
@@ -110,13 +104,7 @@ class LinenLm(nn.Module):
                 name=f"norm_{i}",
             )
             x = x + LinenAttention(cfg, name=f"block_{i}")(norm(x), segment_ids)
-        return nn.Dense(
-            cfg.vocab,
-            dtype=cfg.dtype,
-            use_bias=False,
-            name="head",
-            kernel_init=nn.with_logical_partitioning(INIT, ("embed", "vocab")),
-        )(x)
+        return linen_head(cfg.vocab, cfg.dtype)(x)
 
 
 class NnxAttention(nnx.Module):
@@ -164,13 +152,7 @@ class NnxAttention(nnx.Module):
 class NnxLm(nnx.Module):
     def __init__(self, config: LmConfig, rngs: nnx.Rngs) -> None:
         self.config = config
-        self.embed = nnx.Embed(
-            config.vocab,
-            config.width,
-            dtype=config.dtype,
-            embedding_init=nnx.with_partitioning(INIT, ("vocab", "embed")),
-            rngs=rngs,
-        )
+        self.embed = nnx_embed(config.vocab, config.width, config.dtype, rngs)
         self.norms = nnx.List(
             [
                 nnx.LayerNorm(
@@ -184,14 +166,7 @@ class NnxLm(nnx.Module):
             ]
         )
         self.blocks = nnx.List([NnxAttention(config, rngs=rngs) for _ in range(config.depth)])
-        self.head = nnx.Linear(
-            config.width,
-            config.vocab,
-            use_bias=False,
-            dtype=config.dtype,
-            kernel_init=nnx.with_partitioning(INIT, ("embed", "vocab")),
-            rngs=rngs,
-        )
+        self.head = nnx_head(config.width, config.vocab, config.dtype, rngs)
 
     def init_cache(self, batch_size: int) -> None:
         """An empty key/value cache at index 0 in every block."""

@@ -40,6 +40,30 @@ class ToyConfig:
     dtype: Any = jnp.float32
 
 
+def linen_embed(vocab: int, width: int, dtype: Any) -> nn.Embed:
+    """The token embedding, ``[vocab, embed]``, as every toy model's Linen side names it."""
+    init = nn.with_logical_partitioning(INIT, ("vocab", "embed"))
+    return nn.Embed(vocab, width, dtype=dtype, name="embed", embedding_init=init)
+
+
+def linen_head(vocab: int, dtype: Any) -> nn.Dense:
+    """The unbiased output projection, ``[embed, vocab]``, named ``head``."""
+    init = nn.with_logical_partitioning(INIT, ("embed", "vocab"))
+    return nn.Dense(vocab, dtype=dtype, use_bias=False, name="head", kernel_init=init)
+
+
+def nnx_embed(vocab: int, width: int, dtype: Any, rngs: nnx.Rngs) -> nnx.Embed:
+    """The NNX twin of :func:`linen_embed`."""
+    init = nnx.with_partitioning(INIT, ("vocab", "embed"))
+    return nnx.Embed(vocab, width, dtype=dtype, embedding_init=init, rngs=rngs)
+
+
+def nnx_head(width: int, vocab: int, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
+    """The NNX twin of :func:`linen_head`."""
+    init = nnx.with_partitioning(INIT, ("embed", "vocab"))
+    return nnx.Linear(width, vocab, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs)
+
+
 def running_mean(
     x: jax.Array, segment_ids: jax.Array, total: jax.Array, count: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -126,13 +150,7 @@ class LinenToy(nn.Module):
     ) -> jax.Array:
         del positions
         cfg = self.config
-        embed = nn.Embed(
-            cfg.vocab,
-            cfg.width,
-            dtype=cfg.dtype,
-            name="embed",
-            embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")),
-        )
+        embed = linen_embed(cfg.vocab, cfg.width, cfg.dtype)
         x = nn.Dropout(cfg.dropout)(embed(tokens), deterministic=not train)
         block: Any = nn.remat(LinenBlock, static_argnums=(3,)) if cfg.checkpointed else LinenBlock
         if cfg.stacked:
@@ -147,13 +165,7 @@ class LinenToy(nn.Module):
         else:
             for i in range(cfg.depth):
                 x, _ = block(cfg, name=f"block_{i}")(x, segment_ids, mode)
-        return nn.Dense(
-            cfg.vocab,
-            dtype=cfg.dtype,
-            use_bias=False,
-            name="head",
-            kernel_init=nn.with_logical_partitioning(INIT, ("embed", "vocab")),
-        )(x)
+        return linen_head(cfg.vocab, cfg.dtype)(x)
 
 
 class NnxBlock(nnx.Module):
@@ -210,13 +222,7 @@ class NnxBlock(nnx.Module):
 class NnxToy(nnx.Module):
     def __init__(self, config: ToyConfig, rngs: nnx.Rngs) -> None:
         self.config = config
-        self.embed = nnx.Embed(
-            config.vocab,
-            config.width,
-            dtype=config.dtype,
-            rngs=rngs,
-            embedding_init=nnx.with_partitioning(INIT, ("vocab", "embed")),
-        )
+        self.embed = nnx_embed(config.vocab, config.width, config.dtype, rngs)
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
         if config.stacked:
 
@@ -228,14 +234,7 @@ class NnxToy(nnx.Module):
             self.blocks = create(rngs)
         else:
             self.blocks = nnx.List([NnxBlock(config, rngs=rngs) for _ in range(config.depth)])
-        self.head = nnx.Linear(
-            config.width,
-            config.vocab,
-            use_bias=False,
-            dtype=config.dtype,
-            rngs=rngs,
-            kernel_init=nnx.with_partitioning(INIT, ("embed", "vocab")),
-        )
+        self.head = nnx_head(config.width, config.vocab, config.dtype, rngs)
 
     def init_cache(self, batch_size: int) -> None:
         """An empty serving cache for ``batch_size`` rows in every block."""

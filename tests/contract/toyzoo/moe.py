@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from .models import INIT, causal_mean
+from .models import INIT, causal_mean, linen_embed, linen_head, nnx_embed, nnx_head
 
 LB_WEIGHT = 0.01
 AUX_LOSS = "moe_lb_loss"
@@ -94,22 +94,10 @@ class LinenMoe(nn.Module):
     ) -> jax.Array:
         del positions
         cfg = self.config
-        x = nn.Embed(
-            cfg.vocab,
-            cfg.width,
-            dtype=cfg.dtype,
-            name="embed",
-            embedding_init=nn.with_logical_partitioning(INIT, ("vocab", "embed")),
-        )(tokens)
+        x = linen_embed(cfg.vocab, cfg.width, cfg.dtype)(tokens)
         for i in range(cfg.depth):
             x = LinenMoeBlock(cfg, name=f"block_{i}")(x, segment_ids)
-        return nn.Dense(
-            cfg.vocab,
-            dtype=cfg.dtype,
-            use_bias=False,
-            name="head",
-            kernel_init=nn.with_logical_partitioning(INIT, ("embed", "vocab")),
-        )(x)
+        return linen_head(cfg.vocab, cfg.dtype)(x)
 
 
 class NnxMoeBlock(nnx.Module):
@@ -147,22 +135,9 @@ class NnxMoeBlock(nnx.Module):
 
 class NnxMoe(nnx.Module):
     def __init__(self, config: MoeConfig, rngs: nnx.Rngs) -> None:
-        self.embed = nnx.Embed(
-            config.vocab,
-            config.width,
-            dtype=config.dtype,
-            embedding_init=nnx.with_partitioning(INIT, ("vocab", "embed")),
-            rngs=rngs,
-        )
+        self.embed = nnx_embed(config.vocab, config.width, config.dtype, rngs)
         self.blocks = nnx.List([NnxMoeBlock(config, rngs=rngs) for _ in range(config.depth)])
-        self.head = nnx.Linear(
-            config.width,
-            config.vocab,
-            use_bias=False,
-            dtype=config.dtype,
-            kernel_init=nnx.with_partitioning(INIT, ("embed", "vocab")),
-            rngs=rngs,
-        )
+        self.head = nnx_head(config.width, config.vocab, config.dtype, rngs)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
