@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from conformance.checks.kernel import (
@@ -24,6 +25,7 @@ from conformance.checks.kernel import (
     train_pair,
     train_step_parity,
 )
+from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_trees
 from conformance.core.records import failed
@@ -463,15 +465,23 @@ def check_aux_losses(case: Case) -> None:
 
     One train step from the same parameters on each side: every name the family declares
     (:attr:`~conformance.contract.Capabilities.aux_losses`) must be added to the loss and be
-    non-zero, the two sides' values must agree under the tolerance policy, and each side's
-    loss must be its cross entropy (its own forward's logits, the harness's loss) plus
-    exactly those values: nothing strips them before the loss, nothing adds them twice.
+    non-zero, with a non-zero gradient of their own; the two sides' values and gradients
+    must agree under the tolerance policy; and each side's loss must be its cross entropy
+    (its own forward's logits, the harness's loss) plus exactly those values: nothing
+    strips them before the loss, nothing adds them twice, nothing detaches them.
     """
     names = case.family.capabilities.aux_losses
     pair = train_pair(case)
     batch = case.batch()
+    gradients = [training.aux_gradient(batch) for training in pair]
     steps = [training.advance(batch) for training in pair]
-    problems = []
+    problems = [
+        f"{training.side.name}: the auxiliary losses ({', '.join(names)}) have no gradient: "
+        "they reach the loss's value but train nothing (detached, or computed from no "
+        "parameter)"
+        for training, gradient in zip(pair, gradients, strict=True)
+        if not any(np.any(host_array(g) != 0) for g in gradient.values())
+    ]
     for training in pair:
         side = training.side.name
         for name in names:
@@ -485,8 +495,10 @@ def check_aux_losses(case: Case) -> None:
                 problems.append(f"{name}: {side}'s train step added exactly 0 to its loss")
     fail_if_any(f"auxiliary losses on mesh {case.mesh.id}", problems)
     found = compare_trees(*(training.aux for training in pair))
+    found += compare_trees(*({f"grads/{p}": g for p, g in grad.items()} for grad in gradients))
     if found:
-        fail(failed(f"auxiliary losses of one train step on mesh {case.mesh.id}", found))
+        title = f"auxiliary losses of one train step and their gradient on mesh {case.mesh.id}"
+        fail(failed(title, found))
     for training, (_, loss, _) in zip(pair, steps, strict=True):
         side = training.side
         logits = side.forward(training.initial, batch)[0]

@@ -61,6 +61,14 @@ class Training:
         state = jax.device_put(trainer.initial_state(params), shardings)
         return cls(side, trainer, params, state, shardings, trainer.step_fn(shardings))
 
+    def aux_gradient(self, batch: Any) -> Flat:
+        """The gradient of the family's auxiliary losses alone at the current state.
+
+        Keyed by canonical paths (see :attr:`~conformance.contract.Capabilities.aux_losses`).
+        """
+        grads = jax.jit(self.trainer.aux_gradient)(self.state, batch)
+        return self.side.canonical(flat_state(grads))
+
     def params(self) -> Flat:
         """The current parameters, in the side's own paths."""
         return params_of(flat_state(self.state))

@@ -307,6 +307,34 @@ class LinenTrainer:
         }
         return new_state, metrics(loss_sum / count, grads, aux)
 
+    def aux_gradient(self, state: dict[str, Any], batch: Batch) -> Any:
+        """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.
+
+        The training forward of :meth:`step` (same keyword arguments and RNG streams),
+        differentiated for the sum of what it sows under
+        :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
+        """
+        module, opt = self.runner.module, state["optimizer"]
+        base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
+        rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
+        flat = flatten(state["model"])
+        params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
+
+        def aux_fn(params: Any) -> jax.Array:
+            _, sown = module.apply(
+                {"params": params},
+                batch.tokens,
+                batch.positions,
+                batch.segment_ids,
+                rngs=rngs,
+                mutable=["intermediates"],
+                **self.train_kwargs,
+            )
+            found = sown_losses(sown.get("intermediates", {}), self.aux_names)
+            return sum(found.values(), jnp.zeros((), jnp.float32))
+
+        return jax.grad(aux_fn)(params)
+
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
         return _step_fns(self._steps, self.step, shardings)
@@ -459,6 +487,22 @@ class NnxTrainer:
         grads = jax.tree.map(lambda g: g / count, grads)
         train.optimizer.update(train.model, grads)
         return nnx.state(train, nnx.Not(nnx.RngState)), metrics(loss_sum / count, grads, aux)
+
+    def aux_gradient(self, state: nnx.State, batch: Batch) -> Any:
+        """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.
+
+        The training forward of :meth:`step` (the same seam, keyword arguments and RNG
+        streams), differentiated for the sum of what it sows under
+        :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
+        """
+        streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
+        train = nnx.merge(self.graphdef, streams, state)
+
+        def aux_fn(model: nnx.Module) -> jax.Array:
+            _, sown = self.forward(model, batch, dict(self.train_kwargs))
+            return sum(sown_losses(sown, self.aux_names).values(), jnp.zeros((), jnp.float32))
+
+        return nnx.grad(aux_fn, argnums=nnx.DiffState(0, nnx.Param))(train.model)
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
