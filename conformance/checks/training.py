@@ -50,7 +50,7 @@ from conformance.runtime.checkpoints import (
 )
 from conformance.runtime.sides import SIDES, LinenSide, Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
-from conformance.runtime.training import flat_state, masked_token_loss
+from conformance.runtime.training import aux_total, flat_state, masked_token_loss
 
 MICRO_BATCHES = 4
 """Micro-batches the accumulation check splits a batch into."""
@@ -503,7 +503,7 @@ def check_aux_losses(case: Case) -> None:
         side = training.side
         logits = side.forward(training.initial, batch)[0]
         loss_sum, count = masked_token_loss(logits, batch, case.family.logits_predict)
-        expected = loss_sum / count + sum(training.aux.values())
+        expected = loss_sum / count + aux_total(training.aux)
         found = compare_trees({"loss": expected}, {"loss": loss})
         if found:
             title = (

@@ -66,7 +66,7 @@ class Training:
 
         Keyed by canonical paths (see :attr:`~conformance.contract.Capabilities.aux_losses`).
         """
-        grads = jax.jit(self.trainer.aux_gradient)(self.state, batch)
+        grads = self.trainer.aux_gradient_fn(self.state, batch)
         return self.side.canonical(flat_state(grads))
 
     def params(self) -> Flat:

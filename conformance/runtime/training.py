@@ -223,6 +223,8 @@ class LinenTrainer:
             self.logical[path] = None if found is None else self.runner.logical[found[1]]
         self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
+        self.aux_gradient_fn = jax.jit(self.aux_gradient)
+        """The jitted :meth:`aux_gradient`, traced once per trainer."""
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -254,14 +256,25 @@ class LinenTrainer:
             lambda keys, _: by_path[join_path(keys)], self.abstract_state
         )
 
-    def step(
-        self, state: dict[str, Any], batch: Batch, micro_sharding: NamedSharding | None = None
-    ) -> Any:
-        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
-        module, opt = self.runner.module, state["optimizer"]
-        base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
-        rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
+    def _streams(self, step: jax.Array) -> dict[str, jax.Array]:
+        """The RNG streams of step number ``step``: a key per stream, a function of both."""
+        base = jax.random.fold_in(jax.random.key(STREAMS_SEED), step)
+        return {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
+    def _split(self, model: Any) -> tuple[Any, Any]:
+        """The state's ``model`` as ``(params, overwrite)`` (``overwrite`` empty without FP8)."""
+        if not self.overwrite:
+            return model, {}
+        flat = flatten(model)
+        params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
+        return params, unflatten({p: v for p, v in flat.items() if p in self.overwrite})
+
+    def _loss_fn(self, rngs: dict[str, jax.Array], cross_entropy: bool = True) -> Any:
+        """``(params, overwrite, micro) -> (value, (count, aux))``: what a step differentiates.
+
+        Without ``cross_entropy`` the value is the auxiliary losses' part alone.
+        """
+        module = self.runner.module
         predicts = self.runner.family.logits_predict
         objective = _objective(
             functools.partial(masked_token_loss, predicts=predicts),
@@ -283,13 +296,17 @@ class LinenTrainer:
             )
             outputs, sown = applied if self.aux_names else (applied, {})
             aux = sown_losses(sown.get("intermediates", {}), self.aux_names)
-            return with_aux(objective(outputs, micro), aux)
+            return with_aux(objective(outputs, micro), aux, cross_entropy)
 
-        params, overwrite = state["model"], {}
-        if self.overwrite:
-            flat = flatten(state["model"])
-            params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
-            overwrite = unflatten({p: v for p, v in flat.items() if p in self.overwrite})
+        return loss_fn
+
+    def step(
+        self, state: dict[str, Any], batch: Batch, micro_sharding: NamedSharding | None = None
+    ) -> Any:
+        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
+        opt = state["optimizer"]
+        loss_fn = self._loss_fn(self._streams(opt["step"]))
+        params, overwrite = self._split(state["model"])
         grad_fn = functools.partial(
             jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
         )
@@ -310,30 +327,14 @@ class LinenTrainer:
     def aux_gradient(self, state: dict[str, Any], batch: Batch) -> Any:
         """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.
 
-        The training forward of :meth:`step` (same keyword arguments and RNG streams),
-        differentiated for the sum of what it sows under
+        :meth:`step`'s own objective (same forward, RNG streams and loss path) with the
+        cross entropy left out, for the sum of what the forward sows under
         :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
         """
-        module, opt = self.runner.module, state["optimizer"]
-        base = jax.random.fold_in(jax.random.key(STREAMS_SEED), opt["step"])
-        rngs = {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
-        flat = flatten(state["model"])
-        params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
-
-        def aux_fn(params: Any) -> jax.Array:
-            _, sown = module.apply(
-                {"params": params},
-                batch.tokens,
-                batch.positions,
-                batch.segment_ids,
-                rngs=rngs,
-                mutable=["intermediates"],
-                **self.train_kwargs,
-            )
-            found = sown_losses(sown.get("intermediates", {}), self.aux_names)
-            return sum(found.values(), jnp.zeros((), jnp.float32))
-
-        return jax.grad(aux_fn)(params)
+        loss_fn = self._loss_fn(self._streams(state["optimizer"]["step"]), cross_entropy=False)
+        params, overwrite = self._split(state["model"])
+        (_, (count, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, overwrite, batch)
+        return jax.tree.map(lambda g: g / count, grads)
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
@@ -388,16 +389,26 @@ def sown_losses(sown: Any, names: Sequence[str]) -> dict[str, jax.Array]:
     return found
 
 
+def aux_total(aux: Mapping[str, jax.Array]) -> Any:
+    """The sum of the auxiliary losses ``aux`` (0 when there are none)."""
+    return sum(aux.values())
+
+
 def with_aux(
-    objective: tuple[jax.Array, jax.Array], aux: Mapping[str, jax.Array]
+    objective: tuple[jax.Array, jax.Array],
+    aux: Mapping[str, jax.Array],
+    cross_entropy: bool = True,
 ) -> tuple[jax.Array, tuple[jax.Array, Mapping[str, jax.Array]]]:
     """The value a micro-batch differentiates, with ``(count, aux)`` carried beside it.
 
     The loss sum plus every auxiliary loss weighted by the target count, so that the mean
-    loss gains each once; the loss sum itself when there are none.
+    loss gains each once; the loss sum itself when there are none. Without
+    ``cross_entropy`` the loss sum is left out: what remains is the auxiliary part alone.
     """
     loss_sum, count = objective
-    total = loss_sum + sum(aux.values()) * count if aux else loss_sum
+    total = loss_sum if cross_entropy else jnp.zeros_like(loss_sum)
+    if aux:
+        total = total + aux_total(aux) * count
     return total, (count, dict(aux))
 
 
@@ -441,6 +452,8 @@ class NnxTrainer:
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
         self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
+        self.aux_gradient_fn = jax.jit(self.aux_gradient)
+        """The jitted :meth:`aux_gradient`, traced once per trainer."""
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -462,22 +475,33 @@ class NnxTrainer:
             [(self._keys[p], var.replace(by_path[p])) for p, var in self._vars.items()]
         )
 
-    def step(
-        self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None
-    ) -> Any:
-        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
+    def _train(self, state: nnx.State) -> Any:
+        """The train-state module around ``state``, with the RNG streams of its step."""
         streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
-        train = nnx.merge(self.graphdef, streams, state)
+        return nnx.merge(self.graphdef, streams, state)
 
+    def _loss_fn(self, cross_entropy: bool = True) -> Any:
+        """``(model, micro) -> (value, (count, aux))``: what a step differentiates.
+
+        Without ``cross_entropy`` the value is the auxiliary losses' part alone.
+        """
         objective = _objective(self.loss, self.tiled, self.overwrite, self.predicts)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> Any:
             tiling = loss_inputs(micro, self.predicts) if self.tiled else {}
             outputs, sown = self.forward(model, micro, {**self.train_kwargs, **tiling})
-            return with_aux(objective(outputs, micro), sown_losses(sown, self.aux_names))
+            aux = sown_losses(sown, self.aux_names)
+            return with_aux(objective(outputs, micro), aux, cross_entropy)
 
+        return loss_fn
+
+    def step(
+        self, state: nnx.State, batch: Batch, micro_sharding: NamedSharding | None = None
+    ) -> Any:
+        """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
+        train = self._train(state)
         wrt = nnx.Any(nnx.Param, OverwriteWithGradient) if self.overwrite else nnx.Param
-        grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True)
+        grad_fn = nnx.value_and_grad(self._loss_fn(), argnums=nnx.DiffState(0, wrt), has_aux=True)
         (loss_sum, (count, aux)), grads = self.accumulate(
             lambda micro: grad_fn(train.model, micro), batch, self.micro_batches, micro_sharding
         )
@@ -491,18 +515,17 @@ class NnxTrainer:
     def aux_gradient(self, state: nnx.State, batch: Batch) -> Any:
         """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.
 
-        The training forward of :meth:`step` (the same seam, keyword arguments and RNG
-        streams), differentiated for the sum of what it sows under
+        :meth:`step`'s own objective (the same seams, RNG streams and loss path) with the
+        cross entropy left out, for the sum of what the forward sows under
         :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
         """
-        streams = step_streams(self.abstract_streams, state["optimizer"]["step"][...])
-        train = nnx.merge(self.graphdef, streams, state)
-
-        def aux_fn(model: nnx.Module) -> jax.Array:
-            _, sown = self.forward(model, batch, dict(self.train_kwargs))
-            return sum(sown_losses(sown, self.aux_names).values(), jnp.zeros((), jnp.float32))
-
-        return nnx.grad(aux_fn, argnums=nnx.DiffState(0, nnx.Param))(train.model)
+        grad_fn = nnx.value_and_grad(
+            self._loss_fn(cross_entropy=False),
+            argnums=nnx.DiffState(0, nnx.Param),
+            has_aux=True,
+        )
+        (_, (count, _)), grads = grad_fn(self._train(state).model, batch)
+        return jax.tree.map(lambda g: g / count, grads)
 
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
