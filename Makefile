@@ -9,7 +9,7 @@ MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
 
 ## TIER chooses how much of the suite runs: smoke, default or full (see README "Tiers").
 TIER ?= default
-BUILTIN := --family gpt3 --family llama
+BUILTIN := --family gpt3 --family llama --family moe
 ## REPORT=DIR writes report.json, report.md, report.html and junit.xml there, merged over
 ## every process that writes to DIR (see README "Reports").
 REPORT ?=

@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 SUITE = "conformance/suite"
-BUILTIN = ("gpt3", "llama")
+BUILTIN = ("gpt3", "llama", "moe")
 SUMMARY = re.compile(
     r"^(\d+ programs compiled.*|compiled programs released .*|\d+ passed.*|=+ .* =+)$"
 )

@@ -7,7 +7,7 @@ in NNX).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +105,8 @@ class Block(nn.Module):
     """
 
     config: TransformerConfig
+    feed_forward: ClassVar[type[nn.Module]] = Mlp
+    """The module class built from ``config`` as ``mlp`` (a subclass may swap it)."""
 
     @nn.compact
     def __call__(
@@ -124,7 +126,7 @@ class Block(nn.Module):
             h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         x = x + h
         h = RMSNorm(**norm, name="mlp_norm")(x)
-        h = Mlp(cfg, name="mlp")(h)
+        h = self.feed_forward(cfg, name="mlp")(h)
         if cfg.dropout_rate > 0:
             h = nn.Dropout(cfg.dropout_rate)(h, deterministic=deterministic)
         x = x + h
@@ -139,6 +141,8 @@ class Llama(nn.Module):
     """
 
     config: TransformerConfig
+    block: ClassVar[type[nn.Module]] = Block
+    """The decoder block class, ``config.num_layers`` times (a subclass may swap it)."""
 
     @nn.compact
     def __call__(
@@ -172,7 +176,7 @@ class Llama(nn.Module):
             name="token_embed",
         )(tokens)
         x, hidden_states = apply_layers(
-            Block, cfg, x, positions, segment_ids, deterministic=deterministic, mode=mode
+            self.block, cfg, x, positions, segment_ids, deterministic=deterministic, mode=mode
         )
         if mode == "forward":
             self.sow("intermediates", "hidden_states", hidden_states)

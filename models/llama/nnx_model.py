@@ -7,7 +7,7 @@ in Linen).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -100,13 +100,16 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
     """One pre-RMSNorm decoder block."""
 
+    feed_forward: ClassVar[type[nnx.Module]] = Mlp
+    """The module class built from ``config`` as ``mlp`` (a subclass may swap it)."""
+
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
         norm = {"eps": cfg.norm_eps, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype}
         self.attn_norm = RMSNorm(cfg.d_model, **norm, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, **norm, rngs=rngs)
-        self.mlp = Mlp(cfg, rngs=rngs)
+        self.mlp = self.feed_forward(cfg, rngs=rngs)
         self.dropout: nnx.Dropout | None
         if cfg.dropout_rate > 0:
             self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
@@ -140,6 +143,9 @@ class Llama(nnx.Module):
     ``nnx.Intermediate`` named ``hidden_states``.
     """
 
+    block: ClassVar[type[nnx.Module]] = Block
+    """The decoder block class, ``config.num_layers`` times (a subclass may swap it)."""
+
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
         self.config = cfg
@@ -151,7 +157,7 @@ class Llama(nnx.Module):
             param_dtype=cfg.param_dtype,
             rngs=rngs,
         )
-        self.layers = make_layers(Block, cfg, rngs)
+        self.layers = make_layers(self.block, cfg, rngs)
         self.final_norm = RMSNorm(
             cfg.d_model,
             eps=cfg.norm_eps,

@@ -24,6 +24,7 @@ from conformance.core.sharding import MeshSpec
 from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama.family import LlamaFamily
+from conformance_models.moe.family import MoeFamily
 from tests.suite_run import run_check
 
 
@@ -96,3 +97,7 @@ class Llama(LlamaFamily):
 
 class Gpt3(Gpt3Family):
     """An unchanged gpt3, for faults planted in a seam or the model's code instead."""
+
+
+class Moe(MoeFamily):
+    """An unchanged moe, for faults planted in a seam or the model's code instead."""

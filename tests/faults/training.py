@@ -17,9 +17,9 @@ from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
-from tests.contract.toyzoo import moe as toy_moe
-from tests.contract.toyzoo.families import ToyMoe
-from tests.faults.fault import Fault, Llama
+from conformance_models.moe import nnx_model as moe_nnx
+from conformance_models.moe import routing
+from tests.faults.fault import Fault, Llama, Moe
 
 
 class StrayCounterBesideRngs(Gpt3Family):
@@ -114,14 +114,13 @@ def forward_popping_intermediates(model, batch, train_kwargs):
     return logits, {}
 
 
-def _detached_load_balancing(self, x, segment_ids):
-    """NNX MoE block that sows its load-balancing loss detached: right value, no gradient."""
-    h = self.norm(toy_moe.causal_mean(x, segment_ids))
-    probs = jax.nn.softmax(self.router(h).astype(jnp.float32), axis=-1)
-    loss = jax.lax.stop_gradient(toy_moe.load_balancing(probs, segment_ids))
-    self.sow(nnx.Intermediate, toy_moe.AUX_LOSS, loss)
-    mixed = toy_moe.mixture(h, probs.astype(self.config.dtype), self.up[...], self.down[...])
-    return x + mixed
+def _detached_load_balancing(self, x):
+    """NNX MoE MLP that sows its load-balancing loss detached: right value, no gradient."""
+    probs = routing.router_probabilities(self.router(x))
+    loss = routing.load_balancing_loss(probs, self.config.lb_weight)
+    self.sow(nnx.Intermediate, routing.AUX_LOSS, jax.lax.stop_gradient(loss))
+    kernels = (self.wi_gate[...], self.wi_up[...], self.wo[...])
+    return routing.mix_experts(x, probs, *kernels, self.config.dtype)
 
 
 def drop_last_micro_batch(grad_fn, batch, micro_batches, sharding=None):
@@ -176,16 +175,16 @@ FAULTS = (
         seams={"nnx_training_forward": forward_without_capture},
     ),
     Fault(
-        ToyMoe(),
+        Moe(),
         "aux_losses",
         ("moe_lb_loss: NNX's train step added nothing to its loss",),
         seams={"nnx_training_forward": forward_popping_intermediates},
     ),
     Fault(
-        ToyMoe(),
+        Moe(),
         "aux_losses",
         ("NNX: the auxiliary losses (moe_lb_loss) have no gradient",),
-        model_patch=(toy_moe.NnxMoeBlock, "__call__", _detached_load_balancing),
+        model_patch=(moe_nnx.MoeMlp, "__call__", _detached_load_balancing),
     ),
     Fault(
         Llama(),
