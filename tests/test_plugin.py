@@ -1,9 +1,11 @@
 """The plugin's promises, checked by running pytest on a throwaway project."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from conformance.pytest_plugin.goldens import unused_goldens
 from conformance.pytest_plugin.options import expand
 
 GOLDEN_TEST = """
@@ -294,3 +296,16 @@ def test_reference_of_other_versions_passes_and_an_undeclared_one_is_unused(pyte
     )
     assert "gpt3/linen" not in result.stdout.str().split("unused goldens")[-1]
     assert (pytester.path / "goldens/references/gpt3/nnx/manifest.json").exists()
+
+
+def test_a_platform_keyed_golden_of_another_platform_is_not_unused(tmp_path):
+    config = SimpleNamespace(args=["conformance"], getoption=lambda name: None)
+    cost = tmp_path / "gpt3" / "cost"
+    mine = cost / "cpu-xla-low" / "data2-fsdp2-tensor2-loop.json"
+    theirs = cost / "tpu-xla-full" / "data2-fsdp2-tensor2-loop.json"
+    stale = cost / "cpu-xla-low" / "fsdp8-loop.json"
+    gone = tmp_path / "mistral" / "cost" / "cpu-xla-low" / "data2-fsdp2-tensor2-loop.json"
+    for path in (mine, theirs, stale, gone):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}\n")
+    assert unused_goldens(config, tmp_path, {mine}, {"gpt3"}) == [stale, gone]

@@ -92,6 +92,10 @@ class Check:
     """Parametrize ``quant`` only over modes of this method (``qat``, ``ptq``)."""
     golden: bool = False
     """The check returns a payload compared with its golden file."""
+    golden_by_platform: bool = False
+    """Its golden depends on the platform and XLA optimisation level it was computed at,
+    and on the mesh (compiled cost): one golden per ``<platform>-xla-<level>`` folder,
+    named after the mesh, so a TPU runner and a laptop CPU mesh keep theirs apart."""
     workdir: bool = False
     """The check writes files: it is given a directory every process can share."""
     saved_on: bool = False

@@ -48,7 +48,7 @@ class Golden:
             try:
                 load(self.path)
             except GoldenError as err:
-                family, check = self.path.parent.parent.name, self.path.parent.name
+                family, check = self.path.relative_to(self.root).parts[:2]
                 pytest.fail(
                     f"{err}\n  regenerate with: python -m conformance --family {family} -m golden "
                     f'--snapshot-update --tier full -k "{check} and {self.path.stem}" and '
@@ -116,12 +116,16 @@ def unused_goldens(
         return []
     references = references_root(root)
     goldens = {p for p in claimed if not p.is_relative_to(references)}
-    checks = {(p.parent.parent.name, p.parent.name) for p in goldens}
-    on_disk = {p for fam, check in checks for p in (root / fam / check).glob(f"*{SUFFIX}")}
+    folders = {p.parent for p in goldens}
+    on_disk = {p for folder in folders for p in folder.glob(f"*{SUFFIX}")}
     recorded = {p.parent.parent.name for p in claimed - goldens}
     manifests = set(references.glob(f"*/*/{MANIFEST}"))
     on_disk |= {p for p in manifests if p.parent.parent.name in recorded}
     if not options.value(config, "family") and claimed:
-        on_disk |= {p for p in root.glob(f"*/*/*{SUFFIX}") if p.parent.parent.name not in families}
+        on_disk |= {
+            p
+            for p in (*root.glob(f"*/*/*{SUFFIX}"), *root.glob(f"*/*/*/*{SUFFIX}"))
+            if p.relative_to(root).parts[0] not in families and not p.is_relative_to(references)
+        }
         on_disk |= {p for p in manifests if p.parent.parent.name not in families}
     return sorted(on_disk - claimed)

@@ -71,12 +71,19 @@ class Planned:
         """Why it is expected to fail, if it is (whether or not the family can run it)."""
         return expected_failure(self.check, self.family, self.values, self.id)
 
-    def golden(self, root: Path) -> Path | None:
-        """Where its golden lives, ``<root>/<family>/<check>/<case>.json``, if it has one."""
+    def golden(self, run: Settings) -> Path | None:
+        """Where its golden lives, ``<goldens>/<family>/<check>/<case>.json``, if it has one.
+
+        A golden that depends on the platform (``Check.golden_by_platform``) lives at
+        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``.
+        """
         if not self.check.golden:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
-        return root / self.family.name / self.check.name / f"{case}.json"
+        folder = run.goldens / self.family.name / self.check.name
+        if self.check.golden_by_platform:
+            return folder / run.platform / f"{run.primary.id}-{case}.json"
+        return folder / f"{case}.json"
 
     def reference(self, root: Path) -> Path | None:
         """The manifest of the recorded reference it compares with, if any (``root``: goldens)."""

@@ -53,6 +53,11 @@ class Settings:
         """The mesh checks that need only one mesh run on."""
         return self.run_meshes[0]
 
+    @property
+    def platform(self) -> str:
+        """``<platform>-xla-<level>``: what a platform-dependent golden is kept under."""
+        return f"{jax.devices()[0].platform}-xla-{self.xla_opt}"
+
     def header(self) -> list[str]:
         """Lines saying what the run covers: tier, meshes, families, devices, references."""
         tier = self.tier

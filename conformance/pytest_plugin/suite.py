@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         config.stash[_COLLECTED].add(planned.family.name)
-        for path in (planned.golden(run.goldens), planned.reference(run.goldens)):
+        for path in (planned.golden(run), planned.reference(run.goldens)):
             if path is not None:
                 config.stash[CLAIMED].add(path)
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
@@ -213,8 +213,9 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     registry says so.
     """
     planned = planned_of(request.node)
-    root = settings(request.config).goldens
-    path = None if planned is None else planned.golden(root)
+    run = settings(request.config)
+    root = run.goldens
+    path = None if planned is None else planned.golden(run)
     if path is None:
         raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
     update = bool(request.config.option.update_snapshots)
