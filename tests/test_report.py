@@ -21,15 +21,25 @@ import numpy as np
 import pytest
 
 from conformance.checks import registry
+from conformance.core.cost import Cost
 from conformance.core.failure import CheckFailure
 from conformance.core.numerics import Mismatch, Tolerance
-from conformance.core.records import Measurement, collecting, emit, error_stats, failed, measure
+from conformance.core.records import (
+    Costs,
+    Measurement,
+    collecting,
+    emit,
+    error_stats,
+    failed,
+    measure,
+)
 from conformance.core.scope import Scope
 from conformance.report import plots, render
 from conformance.report.model import (
     SCHEMA_PATH,
     RecordedTest,
     ReportError,
+    costs_json,
     measurement_json,
     merge,
     write_part,
@@ -233,3 +243,15 @@ def test_a_failing_train_step_measures_every_step(primary_mesh):
     failing = [m for m in found if not m.passed]
     assert failing[0].series == "step 1"
     assert {m.x for m in failing} >= {"loss"}, "the loss moves when the rotary base does"
+
+
+def test_the_cost_table_shows_nnx_against_linen():
+    linen = Cost(100.0, 1000.0, 400, 40, 200, 0, {"all-gather": (2, 64)}).table()
+    nnx_ = {**linen, "temp_bytes": 230}
+    record = RecordedTest("t::test_cost[fam-loop]", "fam", "cost", "loop")
+    record.costs = [costs_json(Costs("train_step", {"linen": linen, "nnx": nnx_}))]
+    report = {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
+    markdown = render.markdown(report)
+    assert "## Compiled cost (NNX, and its ratio to Linen)" in markdown
+    assert "| fam | loop | train_step | 100 (1.000x) | 1,000 (1.000x) | 400 (1.000x) | " in markdown
+    assert "230 (1.150x) | same: all-gather x2 |" in markdown

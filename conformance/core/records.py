@@ -53,15 +53,30 @@ class Measurement:
         return not self.mismatches
 
 
-_SINK: contextvars.ContextVar[list[Measurement] | None] = contextvars.ContextVar(
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """What one compiled program costs on each side: a row group of a report's cost table.
+
+    ``sides`` maps a side's name to its cost as plain values
+    (:meth:`conformance.core.cost.Cost.table`).
+    """
+
+    program: str
+    sides: dict[str, dict[str, Any]]
+
+
+Record = Measurement | Costs
+"""What a check can leave behind for a report."""
+
+_SINK: contextvars.ContextVar[list[Record] | None] = contextvars.ContextVar(
     "conformance_measurements", default=None
 )
 
 
 @contextlib.contextmanager
-def collecting() -> Iterator[list[Measurement]]:
-    """Collect every measurement emitted inside the block into the yielded list."""
-    found: list[Measurement] = []
+def collecting() -> Iterator[list[Record]]:
+    """Collect every record emitted inside the block into the yielded list."""
+    found: list[Record] = []
     token = _SINK.set(found)
     try:
         yield found
@@ -74,11 +89,11 @@ def listening() -> bool:
     return _SINK.get() is not None
 
 
-def emit(measurement: Measurement) -> None:
-    """Hand ``measurement`` to the innermost :func:`collecting` block, if any."""
+def emit(record: Record) -> None:
+    """Hand ``record`` to the innermost :func:`collecting` block, if any."""
     sink = _SINK.get()
     if sink is not None:
-        sink.append(measurement)
+        sink.append(record)
 
 
 def error_stats(first: Any, second: Any, tolerance: Tolerance) -> tuple[float, float, float]:

@@ -25,11 +25,12 @@ from conformance.report.model import (
     RecordedTest,
     ReportError,
     case_of,
+    costs_json,
     measurement_json,
     write_part,
 )
 
-_MEASURED = pytest.StashKey[list[records.Measurement]]()
+_MEASURED = pytest.StashKey[list[records.Record]]()
 
 
 @contextlib.contextmanager
@@ -77,7 +78,7 @@ class ReportCollector:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Any:
-        """Collect the measurements the test's checks emit."""
+        """Collect the measurements and costs the test's checks emit."""
         with records.collecting() as found:
             try:
                 return (yield)
@@ -86,11 +87,16 @@ class ReportCollector:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-        """Put the call's measurements on its report, as JSON values (they cross processes)."""
+        """Put the call's records on its report, as JSON values (they cross processes)."""
         report = yield
         if call.when == "call":
             found = item.stash.get(_MEASURED, [])
-            report.conformance_measurements = [measurement_json(m) for m in found]
+            report.conformance_measurements = [
+                measurement_json(m) for m in found if isinstance(m, records.Measurement)
+            ]
+            report.conformance_costs = [
+                costs_json(c) for c in found if isinstance(c, records.Costs)
+            ]
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -102,6 +108,7 @@ class ReportCollector:
             record.case = case_of(report.nodeid, record.family)
         record.duration_s += report.duration
         record.measurements += getattr(report, "conformance_measurements", [])
+        record.costs += getattr(report, "conformance_costs", [])
         decided = _outcome(report)
         if decided is not None and record.outcome in ("passed", "skipped"):
             record.outcome, record.message = decided

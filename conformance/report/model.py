@@ -22,7 +22,7 @@ from typing import Any
 
 from conformance.core.environment import library_versions
 from conformance.core.numerics import Mismatch, Tolerance
-from conformance.core.records import Measurement
+from conformance.core.records import Costs, Measurement
 
 SCHEMA_ID = "conformance-report/1"
 """The ``schema`` field of every report; ``schema.json`` beside this module describes it."""
@@ -84,6 +84,11 @@ def measurement_json(m: Measurement) -> Json:
     }
 
 
+def costs_json(c: Costs) -> Json:
+    """One compiled program's cost on each side (:class:`~conformance.core.records.Costs`)."""
+    return {"program": c.program, "sides": {name: dict(t) for name, t in c.sides.items()}}
+
+
 @dataclasses.dataclass
 class RecordedTest:
     """What a report says about one test, built up from its setup, call and teardown."""
@@ -96,6 +101,7 @@ class RecordedTest:
     duration_s: float = 0.0
     message: str = ""
     measurements: list[Json] = dataclasses.field(default_factory=list)
+    costs: list[Json] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> Json:
         """The record as ``report.json`` holds it."""
@@ -220,6 +226,33 @@ def headroom(report: Mapping[str, Any]) -> dict[tuple[str, str], float]:
                 key = (t["family"], t["check"])
                 worst[key] = max(worst.get(key, 0.0), to_float(m["used"]))
     return worst
+
+
+COST_MEASURES = ("flops", "bytes_accessed", "argument_bytes", "temp_bytes")
+"""The measures a report's cost table shows per program, as NNX / Linen."""
+
+
+def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """The cost table: per family, case and program, NNX's measures over Linen's.
+
+    Each cell is ``NNX value (ratio)``; the collectives column says whether both sides
+    run the same collectives (kind, count and bytes), else what NNX runs.
+    """
+    rows = [["family", "case", "program", *COST_MEASURES, "collectives"]]
+    for t in suite_tests(report):
+        for cost in t.get("costs", []):
+            linen, nnx_ = cost["sides"].get("linen"), cost["sides"].get("nnx")
+            if linen is None or nnx_ is None:
+                continue
+            cells = []
+            for measure in COST_MEASURES:
+                a, b = linen[measure], nnx_[measure]
+                cells.append(f"{b:,.0f} ({b / a:.3f}x)" if a else f"{b:,.0f}")
+            same = linen["collectives"] == nnx_["collectives"]
+            kinds = ", ".join(f"{k} x{v['count']}" for k, v in nnx_["collectives"].items())
+            collectives = ("same: " if same else "NNX: ") + (kinds or "none")
+            rows.append([t["family"], t["case"] or "", cost["program"], *cells, collectives])
+    return rows
 
 
 def failures(report: Mapping[str, Any]) -> list[Json]:

@@ -19,6 +19,7 @@ from conformance.report import plots
 from conformance.report.model import (
     Json,
     cells,
+    cost_rows,
     failures,
     headroom,
     matrix_rows,
@@ -75,7 +76,7 @@ def _headroom_rows(report: Json) -> list[list[str]]:
 
 
 def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
-    """The matrix, headroom and a section per failure, cut to stay under ``limit`` bytes."""
+    """The matrix, headroom, cost table and a section per failure, under ``limit`` bytes."""
 
     def table(rows: list[list[str]]) -> list[str]:
         head, *body = rows
@@ -94,6 +95,8 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
     lines += table(matrix_rows(results)) if results else ["No suite test ran."]
     if headroom(report):
         lines += ["", "## Headroom of agreeing comparisons", "", *table(_headroom_rows(report))]
+    if len(costs := cost_rows(report)) > 1:
+        lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
     failed = failures(report)
     lines += ["", f"## Failures ({len(failed)})", ""]
     text = "\n".join(lines) + "\n"
@@ -141,7 +144,7 @@ def _html_table(rows: list[list[str]], classes: list[list[str]] | None = None, *
 
 
 def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
-    """The self-contained HTML page: matrix, headroom, and each failure with its plots."""
+    """The self-contained HTML page: matrix, headroom, cost table, each failure with plots."""
     results = cells(report)
     rows = matrix_rows(results)
     classes = [
@@ -158,6 +161,8 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
     ]
     if headroom(report):
         parts += ["<h2>Headroom of agreeing comparisons</h2>", _html_table(_headroom_rows(report))]
+    if len(costs := cost_rows(report)) > 1:
+        parts += ["<h2>Compiled cost (NNX, and its ratio to Linen)</h2>", _html_table(costs)]
     failed = failures(report)
     parts.append(f"<h2>Failures ({len(failed)})</h2>")
     for test in failed:
