@@ -279,7 +279,14 @@ CHECKS: dict[str, Check] = {
             workdir=True,
         ),
         # cost
-        Check("cost", cost.check_cost, ("family", "scan_layers"), where="primary"),
+        Check(
+            "cost",
+            cost.check_cost,
+            ("family", "scan_layers"),
+            where="primary",
+            golden=True,
+            golden_by_platform=True,
+        ),
         # decode
         Check(
             "decode_cache",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+from flax import nnx
+
 from conformance_models import nnx_layers
+from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
 from tests.faults.fault import Fault, Llama
 
@@ -34,6 +38,39 @@ class NnxReplicatesKernel(LlamaFamily):
         return model
 
 
+class ReadOnlyTable(nnx.Variable):
+    """A table the model reads and never trains or updates."""
+
+
+class _BlockWithTable(llama_nnx.Block):
+    """Llama's block reading a per-position table of ones, kept as its own Variable."""
+
+    def __init__(self, config, *, rngs):
+        super().__init__(config, rngs=rngs)
+        shape = (config.vocab_size, config.d_model)
+        self.table = ReadOnlyTable(jnp.ones(shape, config.param_dtype))
+
+    def __call__(self, x, *args, **kwargs):
+        return super().__call__(x * self.table[...][: x.shape[1]], *args, **kwargs)
+
+
+class _LlamaWithTable(llama_nnx.Llama):
+    block = _BlockWithTable
+
+
+class NnxScanStacksReadOnlyTable(LlamaFamily):
+    """NNX's scanned blocks each carry a read-only table that Linen would broadcast.
+
+    Created inside the scan's ``vmap``, the table is stacked per layer: the same numbers
+    (it holds ones), a copy per layer in every program's arguments.
+    """
+
+    nnx_decoder = _LlamaWithTable
+
+    def config(self, size, *, scan_layers, dtype=jnp.float32):
+        return super().config(size, scan_layers=True, dtype=dtype)
+
+
 FAULTS = (
     Fault(
         NnxDropsRemat(),
@@ -45,6 +82,11 @@ FAULTS = (
         "cost",
         ("NNX costs more than Linen on mesh", "train_step: all-"),
         mesh_axes=("fsdp",),
+    ),
+    Fault(
+        NnxScanStacksReadOnlyTable(),
+        "cost",
+        ("NNX costs more than Linen on mesh", "forward: argument_bytes NNX"),
     ),
     Fault(
         Llama(),
