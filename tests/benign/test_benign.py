@@ -7,7 +7,7 @@ faults do; a check the tier leaves out (its quantization mode) is skipped as not
 import pytest
 
 from conformance.core.failure import CheckFailure
-from tests.benign.variants import CHECKS, VARIANTS
+from tests.benign.variants import VARIANTS
 from tests.suite_run import facets, run_check
 
 CASES = [
@@ -18,7 +18,7 @@ CASES = [
         else [],
     )
     for variant in VARIANTS
-    for check, quant in CHECKS
+    for check, quant in variant.checks
 ]
 
 

@@ -1,6 +1,6 @@
 """Benign variants: correct NNX models written differently from their Linen twins.
 
-The mirror of the planted faults. Each variant changes how the built-in llama's NNX side
+The mirror of the planted faults. Each variant changes how a built-in family's NNX side
 computes, never what: another order of sub-calls, another attention kernel, another
 formula for the same normalisation, one fused projection for three, ``einsum`` for
 ``dot_general``. Every check listed for a variant must pass on it; a harness that fails
@@ -25,6 +25,9 @@ from conformance.contract import Family, QuantScope
 from conformance_models import common, nnx_layers
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
+from conformance_models.moe import nnx_model as moe_nnx
+from conformance_models.moe import routing
+from conformance_models.moe.family import MoeFamily
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
     ("forward", None),
@@ -34,7 +37,7 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
     ("quant_forward", "qat_int8"),
     ("qat_train_step", "qat_int8"),
 )
-"""``(check, quantization mode)`` every variant must pass: float, decode and Qwix."""
+"""``(check, quantization mode)`` a llama variant must pass: float, decode and Qwix."""
 
 
 _FUSED_PTQ = (
@@ -66,6 +69,8 @@ class Variant:
     )
     """Checks of :data:`CHECKS` that fail on this variant, each with why in words (strict
     xfails)."""
+    checks: tuple[tuple[str, str | None], ...] = CHECKS
+    """``(check, quantization mode)`` it must pass (a family's own capabilities differ)."""
 
     def expected_failure(self, check: str, quant: str | None) -> str | None:
         """Why ``check`` fails on this variant, if it does."""
@@ -150,6 +155,20 @@ class EinsumScope(LlamaFamily):
         )
 
 
+def _experts_one_by_one(self: moe_nnx.MoeMlp, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    probs = routing.router_probabilities(self.router(x))
+    mean_prob = probs.mean(axis=(0, 1))
+    self.sow(
+        nnx.Intermediate, routing.AUX_LOSS, cfg.lb_weight * cfg.num_experts * mean_prob @ mean_prob
+    )
+    out = jnp.zeros_like(x)
+    for e in range(cfg.num_experts):
+        hidden = jax.nn.silu(x @ self.wi_gate[e]) * (x @ self.wi_up[e])
+        out = out + (hidden @ self.wo[e]) * probs[..., e : e + 1].astype(x.dtype)
+    return out
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "mlp-up-before-gate",
@@ -178,6 +197,14 @@ VARIANTS: tuple[Variant, ...] = (
         (nnx_layers.DenseGeneral, "__call__", _einsum_projection),
         EinsumScope(),
         expected_failures={("quant_forward", "ptq_int8"): _EINSUM_PTQ},
+    ),
+    Variant(
+        "moe-experts-one-by-one",
+        "the MoE layer runs its experts in a Python loop and sums them, and takes the "
+        "load-balancing loss's mean and square as a mean over axes and a dot product",
+        (moe_nnx.MoeMlp, "__call__", _experts_one_by_one),
+        MoeFamily(),
+        checks=(("forward", None), ("train_step", None), ("aux_losses", None)),
     ),
 )
 """Every benign variant."""
