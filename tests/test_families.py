@@ -61,12 +61,22 @@ def test_maxtext_families_say_in_one_line_why_they_cannot_run(monkeypatch, insta
         assert family.unavailable() == reason
 
 
-def test_an_unavailable_family_skips_every_test_with_its_reason(pytester, monkeypatch):
+def test_a_named_family_that_cannot_run_is_a_usage_error(pytester, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", _version(None))
-    pytester.makepyfile("def test_anything(family, scan_layers):\n    raise AssertionError\n")
-    result = pytester.runpytest("--conformance-family", "maxtext-gpt3", "-rs")
-    result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["*SKIPPED [[]2[]]*maxtext-gpt3: maxtext is not installed*"])
+    pytester.makepyfile("def test_anything(family, scan_layers):\n    pass\n")
+    result = pytester.runpytest("--conformance-family", "maxtext-*")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*named families cannot run here*maxtext-deepseek3: maxtext is not installed*"]
+    )
+
+
+def test_an_unavailable_family_skips_with_its_reason_when_not_named(pytester, monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", _version(None))
+    pytester.makepyfile("def test_anything(family):\n    pass\n")
+    result = pytester.runpytest("--conformance-tier", "smoke", "-rs")
+    result.assert_outcomes(passed=3, skipped=4)
+    result.stdout.fnmatch_lines(["*SKIPPED [[]1[]]*maxtext-gpt3: maxtext is not installed*"])
 
 
 class Diverging(Gpt3Family):

@@ -121,10 +121,26 @@ def _cluster(config: pytest.Config) -> distributed.Cluster | None:
     )
 
 
+def _refuse_unavailable(families: list[Family]) -> None:
+    """Refuse a family the command line named that cannot run here: it would only skip.
+
+    A run of every registered family skips those that cannot run, each with its reason;
+    a run that names them (``--family 'maxtext-*'``) exits with a usage error instead,
+    so that nothing passes by skipping everything.
+    """
+    reasons = [f"{family.name}: {why}" for family in families if (why := family.unavailable())]
+    if reasons:
+        raise pytest.UsageError(
+            "named families cannot run here, and a run of them would only skip: "
+            + "; ".join(reasons)
+        )
+
+
 def configure(config: pytest.Config, tier: Tier) -> None:
     """Set up a conformance run: devices, processes, settings, and the working plugins.
 
-    A bad family, mesh or cluster is a usage error naming the valid values.
+    A bad family, mesh or cluster is a usage error naming the valid values, and so is
+    a family named on the command line that cannot run here.
     """
     configure_host_platform()
     cluster = _cluster(config)
@@ -145,6 +161,8 @@ def configure(config: pytest.Config, tier: Tier) -> None:
         topology = [parse_mesh(s) for s in topologies]
     except (contract.FamilyError, MeshSpecError) as err:
         raise pytest.UsageError(str(err)) from None
+    if options.value(config, "family"):
+        _refuse_unavailable(families)
     if meshes:
         tier = dataclasses.replace(tier, meshes=None)
     goldens = config.rootpath / config.getini("conformance_goldens")
