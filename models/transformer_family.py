@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -35,6 +36,7 @@ class TransformerFamily(Family):
         recorded=("linen",),
     )
     train_rngs = ("dropout",)
+    expected_bridges = MappingProxyType({"linen": 0, "nnx": 0})
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]

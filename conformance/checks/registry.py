@@ -181,6 +181,13 @@ _BACKENDS = (("backend", _SIDE_VALUES),)
 _LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDES)),)
 
 
+def _declares_bridges(family: Family) -> str | None:
+    """Why ``family`` cannot run ``provenance``: it declares no ``expected_bridges``."""
+    if family.expected_bridges is None:
+        return f"{family.name} declares no expected_bridges (Family.expected_bridges)"
+    return None
+
+
 def _additive_loss(family: Family) -> str | None:
     """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot."""
     if names := family.capabilities.aux_losses:
@@ -314,6 +321,15 @@ CHECKS: dict[str, Check] = {
             devices=False,
             golden=True,
             pair=False,
+        ),
+        Check(
+            "provenance",
+            structure.check_provenance,
+            ("family", "scan_layers"),
+            where="none",
+            devices=False,
+            pair=False,
+            requires=_declares_bridges,
         ),
         Check("sharding", structure.check_sharding, _ON_MESH, golden=True, pair=False),
         Check(

@@ -50,6 +50,33 @@ def check_structure(case: Case) -> dict[str, Any]:
     }
 
 
+SIDE_BRIDGE = {"linen": "ToLinen", "nnx": "ToNNX"}
+"""The bridge that runs the other backend's code inside each side, by backend id."""
+
+
+def check_provenance(case: Case) -> None:
+    """Each side runs as many bridged modules as the family declares (``expected_bridges``).
+
+    Counted in the models the other checks build (no extra trace): ``ToLinen`` modules in
+    the Linen model, ``ToNNX`` modules in the NNX model. A side with more than declared
+    runs the other backend's code, so agreeing numbers would compare a backend with
+    itself.
+    """
+    expected = case.family.expected_bridges or {}
+    problems = []
+    for side in live_sides(case):
+        kind = SIDE_BRIDGE[side.backend]
+        built = side.runner.built
+        found, want = built.bridged.get(kind, 0), expected.get(side.backend, 0)
+        if found != want:
+            why = " (it runs the other backend's code)" if found > want else ""
+            problems.append(
+                f"{side.name} built {built.describe()}: {found} {kind} module(s), "
+                f"the family declares {want}{why}"
+            )
+    fail_if_any("a side runs other code than declared", problems)
+
+
 def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]:
     return side, side.runner.logical, side.runner.specs
 

@@ -222,6 +222,15 @@ class Family(abc.ABC):
     ``targets`` are the tokens). The loss trains only on positions whose predicted token
     is real; decoding feeds what the prediction needs (see :class:`Family`)."""
 
+    expected_bridges: Mapping[str, int] | None = None
+    """How many modules each side runs through a bridge from the other backend, by
+    backend id: ``{"linen": n, "nnx": m}`` counts ``ToLinen`` modules (NNX code) in the
+    Linen model and ``ToNNX`` modules (Linen code) in the NNX model, in the base config.
+    The ``provenance`` check fails when a side builds another count: a side silently
+    running the other backend's code (MaxText's HLO test kept compiling Linen after NNX
+    became its default). ``None``: not declared (the check skips; the header still says
+    what each side built)."""
+
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
 

@@ -10,6 +10,7 @@ them with :func:`settings`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -76,7 +77,40 @@ class Settings:
         ]
         if recorded := self.recorded():
             lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
+        lines += [f"conformance: {family}: {built}" for family, built in self.built.items()]
         return lines
+
+    @functools.cached_property
+    def built(self) -> dict[str, str]:
+        """What each side of each family builds: model class and bridged modules.
+
+        ``{family: "Linen pkg.Model (nothing bridged); NNX pkg.Model (2 ToNNX)"}`` for
+        the base config; a family that cannot run here, or whose model fails to build,
+        says so instead (the checks report the failure).
+        """
+        from conformance.core.scope import Scope
+        from conformance.runtime.backends import linen_runner, nnx_runner
+
+        found = {}
+        for family in self.families:
+            if (why := family.unavailable()) is not None:
+                found[family.name] = f"not built ({why})"
+                continue
+            scan = family.capabilities.preferred_scan_layers
+            runners = {"NNX": nnx_runner}
+            if family.has_linen:
+                runners = {"Linen": linen_runner, **runners}
+            try:
+                config = family.config(family.device_size, scan_layers=scan)
+                with Scope():
+                    sides = [
+                        f"{n} {r(family, config).built.describe()}" for n, r in runners.items()
+                    ]
+            except Exception as err:  # a header line, not a verdict: the checks report it
+                found[family.name] = f"not built ({type(err).__name__}: {err})"
+                continue
+            found[family.name] = "; ".join(sides)
+        return found
 
     def recorded(self) -> list[str]:
         """``gpt3: Linen and NNX vs recorded Linen (flax ..., jax ...)`` per reference.

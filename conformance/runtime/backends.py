@@ -36,6 +36,7 @@ from conformance.core.trees import (
     unflatten,
     variable_kind,
 )
+from conformance.runtime.provenance import Built, LinenBridges, nnx_built
 from conformance.runtime.quant import MODES, quantize_linen, quantize_nnx
 
 HIDDEN_STATES = "hidden_states"
@@ -84,7 +85,11 @@ class LinenRunner:
         module = family.linen_module(config)
         self.module = module if self.provider is None else quantize_linen(module, self.provider)
         example = model_inputs(family.batch(config, 1))
-        variables = jax.eval_shape(self.module.init, jax.random.key(0), *example)
+        bridges = LinenBridges()
+        with bridges.watching():
+            variables = jax.eval_shape(self.module.init, jax.random.key(0), *example)
+        self.built: Built = bridges.built(module)
+        """The model class built and the bridge modules it ran (``ToLinen``)."""
         boxed = variables["params"]
         self.held: dict[str, str] = {
             path: f"collection {collection!r}"
@@ -164,6 +169,8 @@ class NnxRunner:
         self.quant = quant
         self.provider = _provider(family, config, quant)
         abstract = nnx.eval_shape(lambda: self.build(0))
+        self.built: Built = nnx_built(abstract)
+        """The model class built and the bridge modules it holds (``ToNNX``)."""
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
         self._abstract_vars = flatten_state(params)

@@ -86,8 +86,26 @@ class EmbeddingInitScale(Gpt3Family):
         return model
 
 
+class NnxRunsLinen(Gpt3Family):
+    """NNX's model is the Linen model behind ``nnx.bridge.ToNNX``: equal numbers, one backend."""
+
+    def nnx_module(self, config, rngs):
+        model = nnx.bridge.ToNNX(self.linen_module(config), rngs=rngs)
+        batch = self.batch(config, 1)
+        return nnx.bridge.lazy_init(model, batch.tokens, batch.positions, batch.segment_ids)
+
+
 FAULTS = (
     Fault(DroppedBias(), "structure", ("layers/0/mlp/wi/bias: Linen has it",)),
+    Fault(
+        NnxRunsLinen(),
+        "provenance",
+        (
+            "a side runs other code than declared",
+            "NNX built flax.nnx.bridge.wrappers.ToNNX (1 ToNNX): 1 ToNNX module(s), the family "
+            "declares 0 (it runs the other backend's code)",
+        ),
+    ),
     Fault(
         TransposedKernel(),
         "structure",
