@@ -65,7 +65,9 @@ class LinenBridges:
         """A context in which every bridge module called is counted once, by its path."""
 
         def count(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-            if (kind := bridge_of(context.module)) is not None:
+            # Only calls: lifted transforms (remat, scan) wrap a bridge in helper modules
+            # whose other methods run under the same class name.
+            if context.method_name == "__call__" and (kind := bridge_of(context.module)):
                 self._seen[tuple(context.module.path)] = kind
             return next_fun(*args, **kwargs)
 
