@@ -58,6 +58,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
             ran.add(planned.check.name)
     expected = {
         "structure",
+        "provenance",
         "sharding",
         "sharding_topology",
         "sharding_invariance",
