@@ -111,18 +111,16 @@ def check_cost(case: Case) -> dict[str, Any]:
     shows as a golden diff.
     """
     programs = _programs(case)
-    for name, (linen, nnx_) in programs.items():
-        emit(Costs(name, {"linen": linen.table(), "nnx": nnx_.table()}))
+    tables = {
+        name: {"linen": linen.table(), "nnx": nnx_.table()}
+        for name, (linen, nnx_) in programs.items()
+    }
+    for name, sides in tables.items():
+        emit(Costs(name, sides))
     problems = [
         line
         for name, pair in programs.items()
         for line in _over_budget(name, *pair, case.scan_layers)
     ]
     fail_if_any(f"NNX costs more than Linen on mesh {case.mesh.id}", problems)
-    return {
-        "mesh": case.mesh.id,
-        "programs": {
-            name: {"linen": linen.table(), "nnx": nnx_.table()}
-            for name, (linen, nnx_) in programs.items()
-        },
-    }
+    return {"mesh": case.mesh.id, "programs": tables}
