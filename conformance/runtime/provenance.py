@@ -10,6 +10,7 @@ zoo's own, such as MaxText's ``nnx_wrappers.ToLinen``).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -48,11 +49,8 @@ def _name(module: object) -> str:
 
 def nnx_built(model: nnx.Module) -> Built:
     """What an NNX model (concrete or abstract) is built of."""
-    counts: dict[str, int] = {}
-    for _, node in nnx.iter_graph(model):
-        if (kind := bridge_of(node)) is not None:
-            counts[kind] = counts.get(kind, 0) + 1
-    return Built(_name(model), counts)
+    kinds = (bridge_of(node) for _, node in nnx.iter_graph(model))
+    return Built(_name(model), dict(Counter(kind for kind in kinds if kind is not None)))
 
 
 class LinenBridges:
@@ -75,7 +73,4 @@ class LinenBridges:
 
     def built(self, module: nn.Module) -> Built:
         """What ``module`` is built of, from what the watched calls ran."""
-        counts: dict[str, int] = {}
-        for kind in self._seen.values():
-            counts[kind] = counts.get(kind, 0) + 1
-        return Built(_name(module), counts)
+        return Built(_name(module), dict(Counter(self._seen.values())))
