@@ -309,3 +309,15 @@ def test_a_platform_keyed_golden_of_another_platform_is_not_unused(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{}\n")
     assert unused_goldens(config, tmp_path, {mine}, {"gpt3"}) == [stale, gone]
+
+
+def test_goldens_of_another_release_are_not_unused(tmp_path):
+    config = SimpleNamespace(args=["conformance"], getoption=lambda name: None)
+    family = tmp_path / "maxtext-gpt3"
+    mine = family / "0.2.5" / "structure" / "tiny-scan.json"
+    theirs = family / "0.2.4" / "structure" / "tiny-scan.json"
+    stale = family / "0.2.5" / "structure" / "tiny-loop.json"
+    for path in (mine, theirs, stale):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}\n")
+    assert unused_goldens(config, tmp_path, {mine}, {"maxtext-gpt3"}) == [stale]

@@ -231,6 +231,14 @@ class Family(abc.ABC):
     became its default). ``None``: not declared (the check skips; the header still says
     what each side built)."""
 
+    release: str | None = None
+    """The release of the model code the family runs, when its goldens differ between
+    releases (a zoo gated release against release, such as MaxText 0.2.4 and 0.2.5):
+    its goldens then live at ``goldens/<family>/<release>/<check>/...``, one folder per
+    release, and a run claims only its own release's. ``None`` (the default): goldens at
+    ``goldens/<family>/<check>/...``. Recorded references are not kept per release: a
+    later release is compared with what an earlier one recorded."""
+
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
 

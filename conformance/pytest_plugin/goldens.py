@@ -34,10 +34,23 @@ class Golden:
     """
 
     def __init__(
-        self, snapshot: Any, root: Path, path: Path, update: bool, written_elsewhere: bool = False
+        self,
+        snapshot: Any,
+        root: Path,
+        path: Path,
+        update: bool,
+        written_elsewhere: bool = False,
+        *,
+        family: str,
+        check: str,
     ) -> None:
         self._snapshot = snapshot.use_extension(GoldenExtension.for_root(root))
         self.root, self.path, self.update = root, path, update
+        self.regenerate = (
+            f"python -m conformance --family {family} -m golden --snapshot-update --tier full "
+            f'-k "{check} and {path.stem}"'
+        )
+        """The command that writes this golden alone."""
         self.written_elsewhere = written_elsewhere
 
     def check(self, data: Any) -> None:
@@ -48,10 +61,8 @@ class Golden:
             try:
                 load(self.path)
             except GoldenError as err:
-                family, check = self.path.relative_to(self.root).parts[:2]
                 pytest.fail(
-                    f"{err}\n  regenerate with: python -m conformance --family {family} -m golden "
-                    f'--snapshot-update --tier full -k "{check} and {self.path.stem}" and '
+                    f"{err}\n  regenerate with: {self.regenerate} and "
                     "review the diff before committing",
                     pytrace=False,
                 )
@@ -124,7 +135,7 @@ def unused_goldens(
     if not options.value(config, "family") and claimed:
         on_disk |= {
             p
-            for p in (*root.glob(f"*/*/*{SUFFIX}"), *root.glob(f"*/*/*/*{SUFFIX}"))
+            for p in root.rglob(f"*{SUFFIX}")
             if p.relative_to(root).parts[0] not in families and not p.is_relative_to(references)
         }
         on_disk |= {p for p in manifests if p.parent.parent.name not in families}

@@ -75,12 +75,17 @@ class Planned:
         """Where its golden lives, ``<goldens>/<family>/<check>/<case>.json``, if it has one.
 
         A golden that depends on the platform (``Check.golden_by_platform``) lives at
-        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``.
+        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``;
+        a family with a :attr:`~conformance.contract.Family.release` keeps its goldens
+        in a folder of that release, ``<goldens>/<family>/<release>/<check>/...``.
         """
         if not self.check.golden:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
-        folder = run.goldens / self.family.name / self.check.name
+        folder = run.goldens / self.family.name
+        if self.family.release is not None:
+            folder /= self.family.release
+        folder /= self.check.name
         if self.check.golden_by_platform:
             return folder / run.platform / f"{run.primary.id}-{case}.json"
         return folder / f"{case}.json"

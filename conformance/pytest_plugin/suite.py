@@ -220,7 +220,8 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
         raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
     update = bool(request.config.option.update_snapshots)
     elsewhere = update and not distributed.is_leader()
-    return Golden(snapshot, root, path, update, elsewhere)
+    family, check = planned.family.name, planned.check.name
+    return Golden(snapshot, root, path, update, elsewhere, family=family, check=check)
 
 
 @pytest.fixture
