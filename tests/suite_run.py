@@ -28,6 +28,7 @@ def run_check(
     quant: str | None = None,
     params: Mapping[str, Any] | None = None,
     references: Path | None = None,
+    scan_layers: bool | None = None,
 ) -> Any:
     """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32.
 
@@ -39,7 +40,7 @@ def run_check(
     values = {
         "family": family,
         "size": size,
-        "scan_layers": params.get("layouts", (False,))[0],
+        "scan_layers": params.get("layouts", (scan_layers,))[0] or False,
         "dtype": jnp.float32,
         "quant": quant,
         "mesh": mesh,

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,6 +17,7 @@ from conformance.runtime.training import (
     step_streams,
     target_weights,
 )
+from conformance_models.llama.family import LlamaFamily
 from tests.faults.training import StrayCounterBesideRngs
 from tests.suite_run import run_check
 
@@ -101,3 +103,43 @@ def test_the_loss_trains_on_the_positions_whose_predicted_token_is_real():
     }
     for predicts, weights in expected.items():
         np.testing.assert_array_equal(target_weights(batch, predicts), weights)
+
+
+class _Built:
+    """``family.nnx_module(config, rngs)`` as the class a ``ToLinen`` bridge builds."""
+
+    def __init__(self, family, config):
+        self.family, self.config = family, config
+
+    def __call__(self, rngs):
+        with nnx.use_eager_sharding(False):  # the harness places the parameters
+            return self.family.nnx_module(self.config, rngs)
+
+
+class CounterBridgedToLinen(LlamaFamily):
+    """Linen is the NNX model behind Flax's ``ToLinen`` (as MaxText 0.2.5's Linen is), and
+    the model holds a declared persistent counter beside its parameters."""
+
+    persistent_state = (nnx.BatchStat,)
+    expected_bridges = None
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.calls = nnx.BatchStat(jnp.full((), 7, jnp.int32))
+        return model
+
+    def linen_module(self, config):
+        return nnx.bridge.to_linen(_Built(self, config))
+
+    def path_rules(self, config):
+        del config
+        return ()
+
+
+def test_both_train_states_keep_declared_persistent_state_and_agree(tmp_path):
+    family = CounterBridgedToLinen()
+    config = family.config("tiny", scan_layers=True)  # the bridge takes no integer keys
+    linen, nnx_ = linen_trainer(family, config), nnx_trainer(family, config)
+    assert linen.kinds["model/calls"] == nnx_.kinds["model/calls"] == "BatchStat"
+    assert set(linen.kinds) == set(nnx_.kinds)
+    run_check("train_step", family, tmp_path, parse_mesh("fsdp=8"), scan_layers=True)

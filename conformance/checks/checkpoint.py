@@ -113,8 +113,10 @@ def check_checkpoint_conversion(
     )
     what = f"{source}/{info_in.layout} -> {target_backend}/{info.layout} on {case.mesh.id}"
 
-    before = original.trainer.runner.forward(params_of(state), batch)[0]
-    after = dst.runner.forward(params_of(restored), batch)[0]
+    before = original.trainer.runner.forward(
+        params_of(state, original.trainer.runner.specs), batch
+    )[0]
+    after = dst.runner.forward(params_of(restored, dst.runner.specs), batch)[0]
     trees = {"logits": before}, {"logits": after}
     found = compare_trees(*trees)
     names = ("original", "converted")
@@ -146,7 +148,7 @@ def check_checkpoint_conversion(
     )
     steps_agree(
         f"next train step after {what}",
-        (expected, metrics_ref["loss"], params_of(grads)),
+        (expected, metrics_ref["loss"], params_of(grads, dst.runner.specs)),
         (flat_state(next_dst), metrics_dst["loss"], flat_state(metrics_dst["grads"])),
         ("original", "converted"),
     )

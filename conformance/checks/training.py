@@ -199,7 +199,11 @@ def _layout_steps(
             start = training.initial
         state, metrics = training.step(training.state, batch)
         results.append(
-            (params_of(flat_state(state)), metrics["loss"], flat_state(metrics["grads"]))
+            (
+                params_of(flat_state(state), training.trainer.runner.specs),
+                metrics["loss"],
+                flat_state(metrics["grads"]),
+            )
         )
     (state_a, loss_a, grads_a), varied_step = results
     return start, ((convert(state_a), loss_a, convert(grads_a)), varied_step)

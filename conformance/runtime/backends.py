@@ -16,6 +16,7 @@ import jax
 from flax import linen as nn
 from flax import nnx
 from flax.linen import fp8_ops
+from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
@@ -44,6 +45,20 @@ HIDDEN_STATES = "hidden_states"
 OVERWRITE = fp8_ops.OVERWRITE_WITH_GRADIENT
 """Flax's collection (Linen) and Variable type name (NNX) of values a train step replaces
 with their gradient instead of optimising them: FP8 scales and amax histories."""
+
+
+def persistent_collections(family: Family) -> dict[str, str]:
+    """Each Linen collection of ``family``'s persistent state, to its Variable type's name.
+
+    The type's name is how train states name such a leaf's kind on both backends
+    (:attr:`~conformance.contract.Family.persistent_state`). Collections are named as
+    Flax's bridges name a Variable type's: a ``ToLinen`` module puts an NNX ``MoEBiasVar``
+    in the Linen collection ``"MoEBiasVar"``, an ``nnx.BatchStat`` in ``"batch_stats"``.
+    """
+    return {
+        variablelib.variable_name_from_type(kind, allow_register=True): kind.__name__
+        for kind in family.persistent_state
+    }
 
 
 class TransplantError(ValueError):
@@ -98,17 +113,20 @@ class LinenRunner:
             for path in flatten(tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
         }
         """What the module holds outside ``params``, by path within its collection."""
-        self.overwrite: dict[str, LeafSpec] = specs(
-            flatten(nn.meta.unbox(variables.get(OVERWRITE, {})))
-        )
-        """The module's FP8-style values a train step overwrites with their gradient
-        (Flax's ``_overwrite_with_gradient`` collection), by path; usually none."""
+        self.kept: dict[str, dict[str, LeafSpec]] = {
+            collection: specs(flatten(nn.meta.unbox(variables[collection])))
+            for collection in (OVERWRITE, *persistent_collections(family))
+            if collection in variables
+        }
+        """Collections a train state keeps beside ``params``, by collection and path: the
+        FP8-style values a step overwrites with their gradient (:data:`OVERWRITE`) and
+        the family's persistent state (:func:`persistent_collections`); usually none."""
         self.logical: dict[str, Logical] = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
         self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
         self._forward = jax.jit(self._forward_impl)
         self._init_fns: dict[Any, Any] = {}
-        self._init_overwrite = jax.jit(self._init_overwrite_impl)
+        self._init_kept = jax.jit(self._init_kept_impl)
         self._quantize = jax.jit(lambda params: flatten(quantize_params(unflatten(params), boxed)))
 
     def tree(self, flat: Mapping[str, Any]) -> Any:
@@ -133,15 +151,15 @@ class LinenRunner:
         batch = self.family.batch(self.config, 1)
         return flatten(self._init_fns[key](jax.random.key(seed), batch))
 
-    def _init_overwrite_impl(self, key: jax.Array, batch: Batch) -> Flat:
-        variables = self.module.init(key, *model_inputs(batch))
-        return flatten(nn.meta.unbox(variables.get(OVERWRITE, {})))
+    def _init_kept_impl(self, key: jax.Array, batch: Batch) -> dict[str, Flat]:
+        variables = nn.meta.unbox(self.module.init(key, *model_inputs(batch)))
+        return {collection: flatten(variables[collection]) for collection in self.kept}
 
-    def init_overwrite(self) -> Flat:
-        """The :attr:`overwrite` values as ``init`` makes them (``{}`` when there are none)."""
-        if not self.overwrite:
+    def init_kept(self) -> dict[str, Flat]:
+        """The :attr:`kept` collections as ``init`` makes them (``{}`` when there are none)."""
+        if not self.kept:
             return {}
-        return self._init_overwrite(jax.random.key(0), self.family.batch(self.config, 1))
+        return self._init_kept(jax.random.key(0), self.family.batch(self.config, 1))
 
     def _forward_impl(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
         logits, state = self.module.apply(

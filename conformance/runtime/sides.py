@@ -192,13 +192,15 @@ class LinenSide(Side):
     def param_paths(self) -> dict[str, str]:
         """The family's path rules applied to every Linen parameter.
 
-        FP8-style values beside the parameters (the ``_overwrite_with_gradient``
-        collection) map by the same rules. Two leaves mapped to one path fail the check.
+        Values a train state keeps beside the parameters (the ``_overwrite_with_gradient``
+        collection, persistent state) map by the same rules. Two leaves mapped to one path
+        fail the check.
         """
         case, runner = self.case, self.runner
         rules = case.family.path_rules(case.bound)
         try:
-            return map_paths(rules, runner.specs) | map_paths(rules, runner.overwrite)
+            kept = [map_paths(rules, leaves) for leaves in runner.kept.values()]
+            return map_paths(rules, runner.specs) | {k: v for m in kept for k, v in m.items()}
         except PathMapError as err:
             fail(str(err))
 

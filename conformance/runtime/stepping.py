@@ -8,6 +8,7 @@ paths, so two sides (or a side and a recording) compare leaf for leaf.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -21,9 +22,14 @@ StepResult = tuple[Flat, Any, Flat]
 """One step's ``(state, loss, grads)``, keyed by canonical paths."""
 
 
-def params_of(state: Flat) -> Flat:
-    """The model parameters of a flat train state, keyed by their parameter paths."""
-    return {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
+def params_of(state: Flat, params: Collection[str]) -> Flat:
+    """The model parameters of a flat train state, keyed by their parameter paths.
+
+    Only the paths in ``params`` (a runner's parameters): what the state's ``model``
+    keeps beside them (FP8 values, persistent state) is left out.
+    """
+    model = {p.removeprefix("model/"): v for p, v in state.items() if p.startswith("model/")}
+    return {p: v for p, v in model.items() if p in params}
 
 
 @dataclasses.dataclass
@@ -71,7 +77,7 @@ class Training:
 
     def params(self) -> Flat:
         """The current parameters, in the side's own paths."""
-        return params_of(flat_state(self.state))
+        return params_of(flat_state(self.state), self.trainer.runner.specs)
 
     def advance(self, batch: Any) -> StepResult:
         """One step (the state advances): ``(state, loss, grads)`` by canonical paths."""

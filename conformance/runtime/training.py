@@ -47,7 +47,13 @@ from conformance.core.trees import (
     mirrored_param,
     unflatten,
 )
-from conformance.runtime.backends import OVERWRITE, linen_runner, mesh_of, nnx_runner
+from conformance.runtime.backends import (
+    OVERWRITE,
+    linen_runner,
+    mesh_of,
+    nnx_runner,
+    persistent_collections,
+)
 
 STREAMS_SEED = 0
 """Seed of the RNG streams a train step draws (folded with the step counter)."""
@@ -206,17 +212,25 @@ class LinenTrainer:
         self.aux_names = family.capabilities.aux_losses
         self.train_kwargs = dict(family.train_kwargs(config))
         self.tiled = vocab_tiles > 1
-        self.overwrite = set(self.runner.overwrite)
-        """Paths of :data:`OVERWRITE` values, kept in the state's ``model`` beside params."""
+        self.kept = {
+            path: collection for collection, leaves in self.runner.kept.items() for path in leaves
+        }
+        """The collection of each value the state's ``model`` keeps beside params, by
+        path: :data:`OVERWRITE` values and the family's persistent state."""
+        self._kinds = {OVERWRITE: OVERWRITE, **persistent_collections(family)}
+        """Each kept collection's kind in :attr:`kinds`: persistent state by its type's name."""
+        self.overwrite = {path for path, c in self.kept.items() if c == OVERWRITE}
+        """Paths of :data:`OVERWRITE` values (a step replaces them with their gradient)."""
         _check_overwrite(bool(self.overwrite), micro_batches)
         self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
-        overwrite = {
-            p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.overwrite.items()
+        kept = {
+            collection: {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in leaves.items()}
+            for collection, leaves in self.runner.kept.items()
         }
-        self.abstract_state = jax.eval_shape(self._create_impl, params, overwrite)
+        self.abstract_state = jax.eval_shape(self._create_impl, params, kept)
         self.logical: dict[str, Logical] = {}
         for path in flatten(self.abstract_state):
             found = mirrored_param(path, self.runner.logical)
@@ -232,22 +246,25 @@ class LinenTrainer:
         found = {}
         for path in flatten(self.abstract_state):
             param = path.removeprefix("model/")
-            overwrite = param in self.overwrite
-            kind = OVERWRITE if overwrite else "Param" if param in self.runner.specs else None
+            collection = self.kept.get(param)
+            kind = self._kinds[collection] if collection else None
+            kind = kind or ("Param" if param in self.runner.specs else None)
             found[path] = kind or "OptState"
         return found
 
     def initial_state(self, params: Flat) -> dict[str, Any]:
         """A train state around ``params``: fresh optimizer state, step 0.
 
-        :data:`OVERWRITE` values, if the module has any, start as its ``init`` makes them.
+        The kept collections (:data:`OVERWRITE` values, persistent state), if the module
+        has any, start as its ``init`` makes them.
         """
-        return self._create(params, self.runner.init_overwrite())
+        return self._create(params, self.runner.init_kept())
 
-    def _create_impl(self, params: Flat, overwrite: Flat) -> dict[str, Any]:
+    def _create_impl(self, params: Flat, kept: Mapping[str, Flat]) -> dict[str, Any]:
         nested = unflatten(params)
         step = jnp.zeros((), jnp.int32)
-        model = unflatten({**params, **overwrite}) if overwrite else nested
+        held = {path: value for leaves in kept.values() for path, value in leaves.items()}
+        model = unflatten({**params, **held}) if held else nested
         return {"model": model, "optimizer": {"opt_state": self.tx.init(nested), "step": step}}
 
     def tree(self, by_path: Mapping[str, Any]) -> Any:
@@ -261,18 +278,29 @@ class LinenTrainer:
         base = jax.random.fold_in(jax.random.key(STREAMS_SEED), step)
         return {name: jax.random.fold_in(base, i) for i, name in enumerate(self.streams)}
 
-    def _split(self, model: Any) -> tuple[Any, Any]:
-        """The state's ``model`` as ``(params, overwrite)`` (``overwrite`` empty without FP8)."""
-        if not self.overwrite:
-            return model, {}
-        flat = flatten(model)
-        params = unflatten({p: v for p, v in flat.items() if p not in self.overwrite})
-        return params, unflatten({p: v for p, v in flat.items() if p in self.overwrite})
+    def _split(self, model: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """The state's ``model`` as ``(params, overwrite, persistent)``.
 
-    def _loss_fn(self, rngs: dict[str, jax.Array], cross_entropy: bool = True) -> Any:
+        ``overwrite`` is the :data:`OVERWRITE` tree (empty without FP8); ``persistent``
+        the persistent state's trees by collection (empty without).
+        """
+        if not self.kept:
+            return model, {}, {}
+        flat = flatten(model)
+        params = unflatten({p: v for p, v in flat.items() if p not in self.kept})
+        kept = {
+            collection: unflatten({p: v for p, v in flat.items() if self.kept.get(p) == collection})
+            for collection in sorted(set(self.kept.values()))
+        }
+        return params, kept.pop(OVERWRITE, {}), kept
+
+    def _loss_fn(
+        self, rngs: dict[str, jax.Array], persistent: Mapping[str, Any], cross_entropy: bool = True
+    ) -> Any:
         """``(params, overwrite, micro) -> (value, (count, aux))``: what a step differentiates.
 
-        Without ``cross_entropy`` the value is the auxiliary losses' part alone.
+        ``persistent`` collections are given as they are, not differentiated. Without
+        ``cross_entropy`` the value is the auxiliary losses' part alone.
         """
         module = self.runner.module
         predicts = self.runner.family.logits_predict
@@ -285,7 +313,7 @@ class LinenTrainer:
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> Any:
             applied = module.apply(
-                {"params": params, **({OVERWRITE: overwrite} if overwrite else {})},
+                {"params": params, **({OVERWRITE: overwrite} if overwrite else {}), **persistent},
                 micro.tokens,
                 micro.positions,
                 micro.segment_ids,
@@ -305,8 +333,8 @@ class LinenTrainer:
     ) -> Any:
         """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
         opt = state["optimizer"]
-        loss_fn = self._loss_fn(self._streams(opt["step"]))
-        params, overwrite = self._split(state["model"])
+        params, overwrite, persistent = self._split(state["model"])
+        loss_fn = self._loss_fn(self._streams(opt["step"]), persistent)
         grad_fn = functools.partial(
             jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
         )
@@ -316,8 +344,9 @@ class LinenTrainer:
         grads = jax.tree.map(lambda g: g / count, grads)
         updates, opt_state = self.tx.update(grads, opt["opt_state"], params)
         model = optax.apply_updates(params, updates)
-        if self.overwrite:
-            model = unflatten({**flatten(model), **flatten(overwritten)})
+        if self.kept:
+            kept = [flatten(overwritten), *(flatten(tree) for tree in persistent.values())]
+            model = unflatten({k: v for flat in (flatten(model), *kept) for k, v in flat.items()})
         new_state = {
             "model": model,
             "optimizer": {"opt_state": opt_state, "step": opt["step"] + 1},
@@ -331,8 +360,9 @@ class LinenTrainer:
         cross entropy left out, for the sum of what the forward sows under
         :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
         """
-        loss_fn = self._loss_fn(self._streams(state["optimizer"]["step"]), cross_entropy=False)
-        params, overwrite = self._split(state["model"])
+        params, overwrite, persistent = self._split(state["model"])
+        streams = self._streams(state["optimizer"]["step"])
+        loss_fn = self._loss_fn(streams, persistent, cross_entropy=False)
         (_, (count, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, overwrite, batch)
         return jax.tree.map(lambda g: g / count, grads)
 
