@@ -15,6 +15,7 @@ Partitioning is what ``sharding_invariance`` and the live-pair checks gate.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -25,7 +26,7 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
-from conformance.core.trees import Flat, specs
+from conformance.core.trees import Flat, mirrored_param, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
 from conformance.runtime.decoding import prompt_only
@@ -51,14 +52,43 @@ def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Si
     return SIDES[backend](case), reference
 
 
+def _persistent(live: Side) -> dict[str, str]:
+    """``live``'s declared persistent state (not parameters): canonical path -> its kind."""
+    declared = {kind.__name__ for kind in live.case.family.persistent_state}
+    own = {
+        path.removeprefix("model/"): kind
+        for path, kind in live.trainer().kinds.items()
+        if path.startswith("model/") and kind in declared
+    }
+    return live.canonical(own)
+
+
+def _without_training(flat: Flat, persistent: Mapping[str, str]) -> Flat:
+    """``flat`` (gradients or a train state) without what ``persistent`` state cannot have.
+
+    A parameter that became persistent state (maxtext 0.2.5's MoE routing bias) is not
+    trained any more: its recorded gradient and optimizer moments have no live
+    counterpart, while its value (``model/...``) stays and is compared.
+    """
+    return {
+        path: value
+        for path, value in flat.items()
+        if path.startswith("model/") or mirrored_param(path, persistent) is None
+    }
+
+
 def _params(live: Side, reference: RecordedSide) -> Flat:
     """The recorded parameters placed on ``live``'s device; every leaf must fit, or it fails.
 
     A leaf that changed collection since the recording (a parameter that became another
-    Variable type of the train state, or the reverse) is named as such first.
+    Variable type of the train state, or the reverse) is named as such first, unless it
+    became the family's declared persistent state (``Family.persistent_state``, as
+    maxtext 0.2.5's MoE routing bias did): that leaf is not a parameter any more, and
+    reaches the live side through the recorded train state (``recorded_resume``).
     """
-    params = live.own(reference.params())
     held = set(live.runner.specs)
+    persistent = _persistent(live)
+    params = live.own({p: v for p, v in reference.params().items() if p not in persistent})
     live_kinds = live.trainer().kinds
     recorded_kinds = live.own(dict(reference.state_kinds()))
     moved = [
@@ -87,11 +117,25 @@ def _versions(reference: RecordedSide) -> str:
     )
 
 
+def _untrained(live: Side, reference: RecordedSide) -> list[str]:
+    """Each leaf the recording trained as a parameter that ``live`` keeps as state."""
+    recorded = reference.state_kinds()
+    return [
+        f"{path}: a parameter when recorded, {kind} (persistent state, not trained) now"
+        for path, kind in sorted(_persistent(live).items())
+        if recorded.get(f"model/{path}") == "Param"
+    ]
+
+
 def _failed(live: Side, reference: RecordedSide, message: str) -> None:
-    """Fail with ``message``, the verdict and the library versions that changed."""
+    """Fail with ``message``, the verdict and the library versions that changed.
+
+    A parameter that became persistent state is named too: it is no longer trained.
+    """
+    moved = "".join(f"\n  changed collection: {line}" for line in _untrained(live, reference))
     fail(
         f"{message}\n  verdict: {live.name} on one device, as recorded, differs from "
-        f"{reference.label}\n  {_versions(reference)}"
+        f"{reference.label}{moved}\n  {_versions(reference)}"
     )
 
 
@@ -124,12 +168,18 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
             )
 
 
-def _recorded_steps(reference: RecordedSide, first: int) -> list[StepResult]:
-    """The recorded steps from ``first`` on; step 1 with its whole state, others without."""
+def _recorded_steps(
+    reference: RecordedSide, first: int, persistent: Mapping[str, str]
+) -> list[StepResult]:
+    """The recorded steps from ``first`` on; step 1 with its whole state, others without.
+
+    What ``persistent`` state cannot have (gradients, moments) is left out.
+    """
     steps = []
     for step in range(first, reference.steps + 1):
         loss, grads = reference.step(step)
         state = reference.state_after_first_step() if step == 1 else {}
+        grads, state = (_without_training(tree, persistent) for tree in (grads, state))
         steps.append((state, loss, grads))
     return steps
 
@@ -142,7 +192,8 @@ def _step_parity(
     Only step 1 compares the whole state (the recording keeps no other).
     """
     batch = live.case.place(reference.batch())
-    for step, want in enumerate(_recorded_steps(reference, first), start=first):
+    recorded = _recorded_steps(reference, first, _persistent(live))
+    for step, want in enumerate(recorded, start=first):
         state, loss, grads = training.advance(batch)
         got = (state if step == 1 else {}, loss, grads)
         title = _title(live, reference, f"{what}, step {step} of {reference.steps}")
@@ -168,12 +219,14 @@ def _resumed(side: Side, reference: RecordedSide) -> Training:
     Every recorded leaf must have a place in the live state, and every live leaf a
     recorded value of the same shape and dtype (step counters are cast exactly between
     backends' integer types); otherwise the check fails naming them: a release that
-    moved a variable out of the state would resume it from its initialiser.
+    moved a variable out of the state would resume it from its initialiser. A parameter
+    that became declared persistent state keeps its value and drops its optimizer moments.
     """
     training = Training.start(side, _params(side, reference))
     live = specs(flat_state(training.state))
+    state = side.own(_without_training(reference.state_after_first_step(), _persistent(side)))
     try:
-        recorded = cast_counters(side.own(reference.state_after_first_step()), live)
+        recorded = cast_counters(state, live)
     except CheckpointError as err:
         fail(str(err))
     problems = [

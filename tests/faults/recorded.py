@@ -24,8 +24,9 @@ class NormStat(nnx.Variable):
 class ScaleLeftParams(Gpt3Family):
     """NNX keeps the final LayerNorm's scale as a declared ``NormStat``, no longer a Param.
 
-    The model still computes the same; the recorded parameter has no parameter to go to,
-    and a restore that skipped it would leave it at its initialiser.
+    The forward still computes the same, and a resume restores the recorded scale into the
+    ``NormStat``; but the scale is no longer trained, so the steps after drift from the
+    recording, and the report names the leaf that changed collection.
     """
 
     persistent_state = (NormStat,)
@@ -67,8 +68,9 @@ FAULTS = (
         ScaleLeftParams(),
         "recorded_resume",
         (
-            "NNX cannot take the parameters of recorded Linen",
-            "final_norm/scale: recorded as Param, live as NormStat (changed collection)",
+            "resumed from the recorded step 1, step 3 of 3",
+            "changed collection: final_norm/scale: a parameter when recorded, NormStat "
+            "(persistent state, not trained) now",
         ),
         params=_NNX,
     ),
