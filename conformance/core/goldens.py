@@ -76,3 +76,27 @@ def load(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise GoldenError(f"corrupted golden {path}: {err}") from None
+
+
+def changes(old: Any, new: Any, path: str = "") -> list[str]:
+    """Every difference between two golden values, one line each: ``path: old -> new``.
+
+    Dicts are compared key by key (``path: added new`` / ``path: removed old`` for a key
+    on one side only); any other value is compared whole, so a leaf record that changed
+    is one line. Empty when they are equal.
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        found = []
+        for key in sorted(old.keys() | new.keys()):
+            where = f"{path}/{key}" if path else str(key)
+            if key not in new:
+                found.append(f"{where}: removed {json.dumps(old[key], sort_keys=True)}")
+            elif key not in old:
+                found.append(f"{where}: added {json.dumps(new[key], sort_keys=True)}")
+            else:
+                found += changes(old[key], new[key], where)
+        return found
+    if old == new:
+        return []
+    was, now = (json.dumps(v, sort_keys=True) for v in (old, new))
+    return [f"{path or '(whole golden)'}: {was} -> {now}"]

@@ -8,11 +8,8 @@ controller writes: measurements travel on the test reports.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import fcntl
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +24,9 @@ from conformance.report.model import (
     case_of,
     costs_json,
     measurement_json,
-    write_part,
 )
 
 _MEASURED = pytest.StashKey[list[records.Record]]()
-
-
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """Hold ``root``'s lock: processes finishing together render one after the other."""
-    with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _outcome(report: pytest.TestReport) -> tuple[str, str] | None:
@@ -127,10 +112,7 @@ class ReportCollector:
             "exit_status": int(session.exitstatus),
         }
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            with _locked(self.root):
-                write_part(self.root, self.run, self.tests.values())
-                self.written = render.write(self.root)
+            self.written = render.add_part(self.root, self.run, self.tests.values())
         except (OSError, ReportError) as err:
             # A report CI cannot publish must not pass unnoticed; the tests' own verdicts
             # stand, so only a passing run turns into a failing one.

@@ -141,13 +141,21 @@ def part_name(command: Sequence[str]) -> str:
     return f"{digest}.json"
 
 
-def write_part(root: Path, run: Json, tests: Iterable[RecordedTest]) -> Path:
-    """Write one process's part under ``root/parts`` (atomically) and return its path."""
+def write_part(
+    root: Path, run: Json, tests: Iterable[RecordedTest], upgrades: Sequence[Json] = ()
+) -> Path:
+    """Write one process's part under ``root/parts`` (atomically) and return its path.
+
+    ``upgrades`` are release-upgrade sections (``python -m conformance.upgrade``).
+    """
     parts = root / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     path = parts / part_name(run["command"])
     scratch = path.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps({"run": run, "tests": [t.to_json() for t in tests]}))
+    part = {"run": run, "tests": [t.to_json() for t in tests]}
+    if upgrades:
+        part["upgrades"] = list(upgrades)
+    scratch.write_text(json.dumps(part))
     scratch.replace(path)
     return path
 
@@ -170,12 +178,15 @@ def merge(root: Path) -> Json:
     parts.sort(key=lambda p: p["run"].get("started", ""))
     tests = [t for p in parts for t in p["tests"]]
     totals = Counter(t["outcome"] for t in tests)
-    return {
+    report = {
         "schema": SCHEMA_ID,
         "runs": [p["run"] for p in parts],
         "summary": {o: totals.get(o, 0) for o in OUTCOMES},
         "tests": tests,
     }
+    if upgrades := [u for p in parts for u in p.get("upgrades", [])]:
+        report["upgrades"] = upgrades
+    return report
 
 
 def suite_tests(report: Mapping[str, Any]) -> list[Json]:
@@ -253,6 +264,48 @@ def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
             collectives = ("same: " if same else "NNX: ") + (kinds or "none")
             rows.append([t["family"], t["case"] or "", cost["program"], *cells, collectives])
     return rows
+
+
+def upgrade_lines(report: Mapping[str, Any], limit: int = 12) -> list[str]:
+    """The release-upgrade section as Markdown lines, empty when the report has none.
+
+    Per family: golden changes from each earlier release (at most ``limit`` lines per
+    golden), the recorded one-step states (checkpoints of the release that recorded
+    them) against the live train state, and the run's ``recorded_*`` verdicts (numbers
+    of the installed release against the references).
+    """
+    lines = []
+    for upgrade in report.get("upgrades", []):
+        family = upgrade["family"]
+        lines += ["", f"### {family}: release {upgrade['release']}", ""]
+        changed = upgrade["goldens"]
+        lines.append(
+            f"Goldens: {len(changed)} changed, added or removed; "
+            f"{upgrade['unchanged_goldens']} unchanged."
+        )
+        for golden in changed:
+            head = f"- `{golden['golden']}` {golden['change']} since {golden['from']}"
+            shown = golden["lines"][:limit]
+            more = len(golden["lines"]) - len(shown)
+            lines += [head, *(f"  - `{line}`" for line in shown)]
+            lines += [f"  - ... and {more} more"] if more else []
+        for point in upgrade["checkpoints"]:
+            lines.append(
+                f"- Checkpoint of {point['recorded_with']} ({point['backend']}): "
+                f"{point['unchanged']} of {point['leaves']} leaves unchanged"
+                + (":" if point["moved"] else "")
+            )
+            lines += [f"  - `{line}`" for line in point["moved"]]
+        verdicts: dict[str, Counter[str]] = {}
+        for t in suite_tests(report):
+            if t["family"] == family and t["check"].startswith("recorded_"):
+                verdicts.setdefault(t["check"], Counter())[t["outcome"]] += 1
+        if verdicts:
+            shown = ", ".join(f"{c} {cell_text(n)}" for c, n in sorted(verdicts.items()))
+            lines.append(f"- Numbers against the recorded references: {shown}")
+        else:
+            lines.append("- Numbers: no recorded_* check of this family ran in this report")
+    return lines
 
 
 def failures(report: Mapping[str, Any]) -> list[Json]:

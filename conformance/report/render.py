@@ -1,29 +1,34 @@
 """The merged report as files: JSON, Markdown, one self-contained HTML page, JUnit XML.
 
 :func:`write` renders all four (and the failures' plots) from the parts under a
-directory; each file is written whole and then moved into place, so a reader never
-sees half a report.
+directory (:func:`add_part` adds a process's part first); each file is written whole and
+then moved into place, so a reader never sees half a report.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import html
 import json
 import os
 import xml.etree.ElementTree as ET
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from conformance.report import plots
 from conformance.report.model import (
     Json,
+    RecordedTest,
     cells,
     cost_rows,
     failures,
     headroom,
     matrix_rows,
     merge,
+    upgrade_lines,
+    write_part,
 )
 
 MARKDOWN_LIMIT = 1 << 20
@@ -97,6 +102,8 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         lines += ["", "## Headroom of agreeing comparisons", "", *table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
         lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
+    if upgrade := upgrade_lines(report):
+        lines += ["", "## Release upgrade", *upgrade]
     failed = failures(report)
     lines += ["", f"## Failures ({len(failed)})", ""]
     text = "\n".join(lines) + "\n"
@@ -163,6 +170,9 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
         parts += ["<h2>Headroom of agreeing comparisons</h2>", _html_table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
         parts += ["<h2>Compiled cost (NNX, and its ratio to Linen)</h2>", _html_table(costs)]
+    if upgrade := upgrade_lines(report):
+        text = "\n".join(upgrade).strip()
+        parts += ["<h2>Release upgrade</h2>", f"<pre>{html.escape(text)}</pre>"]
     failed = failures(report)
     parts.append(f"<h2>Failures ({len(failed)})</h2>")
     for test in failed:
@@ -215,6 +225,30 @@ def junit(report: Json) -> str:
     root.append(suite)
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Hold ``root``'s lock: processes finishing together render one after the other."""
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def add_part(
+    root: Path, run: Json, tests: Iterable[RecordedTest], upgrades: Sequence[Json] = ()
+) -> Json:
+    """Write a process's part under ``root``, then every report file; return the report.
+
+    Under ``root``'s lock, so processes finishing together take turns.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        write_part(root, run, tests, upgrades)
+        return write(root)
 
 
 def write(root: Path) -> Json:

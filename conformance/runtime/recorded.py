@@ -107,13 +107,17 @@ class RecordedSide:
         arrays = self.reference.arrays
         return arrays[f"train/{step}/loss"], self._upgraded(_under(arrays, f"train/{step}/grads"))
 
+    def state_as_recorded(self) -> Flat:
+        """The whole train state after step 1 as recorded: the recording release's paths."""
+        return _under(self.reference.arrays, "train/1/state")
+
     def state_after_first_step(self) -> Flat:
         """The whole train state after step 1, in current canonical paths.
 
         Each parameter-shaped slot (``model/``, each optimizer moment) is upgraded on its
         own; other leaves (counts, the step counter) are kept as recorded.
         """
-        state = _under(self.reference.arrays, "train/1/state")
+        state = self.state_as_recorded()
         slots: dict[str, Flat] = {}
         rest = {}
         for path, value in state.items():
