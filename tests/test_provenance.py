@@ -42,3 +42,13 @@ def test_an_nnx_model_counts_its_tonnx_modules():
     plain = nnx_built(Dense(nnx.Rngs(0)))
     assert plain == Built(f"{Dense.__module__}.Dense", {})
     assert plain.describe().endswith(".Dense (nothing bridged)")
+
+
+def test_a_side_that_is_a_bridge_as_a_whole_says_so():
+    module = nnx.bridge.to_linen(Dense)
+    bridges = LinenBridges()
+    with bridges.watching():
+        jax.eval_shape(module.init, jax.random.key(0), jnp.ones((1, 2)))
+    built = bridges.built(module)
+    assert built.whole == "ToLinen"
+    assert built.describe().endswith("(1 ToLinen; bridged: the other backend's model)")

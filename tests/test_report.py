@@ -40,6 +40,7 @@ from conformance.report.model import (
     RecordedTest,
     ReportError,
     costs_json,
+    matrix_rows,
     measurement_json,
     merge,
     write_part,
@@ -255,3 +256,9 @@ def test_the_cost_table_shows_nnx_against_linen():
     assert "## Compiled cost (NNX, and its ratio to Linen)" in markdown
     assert "| fam | loop | train_step | 100 (1.000x) | 1,000 (1.000x) | 400 (1.000x) | " in markdown
     assert "230 (1.150x) | same: all-gather x2 |" in markdown
+
+
+def test_a_family_with_a_bridged_side_is_labelled_in_the_matrix():
+    results = {("zoo-model", "forward"): {"passed": 2}, ("gpt3", "forward"): {"passed": 2}}
+    rows = matrix_rows(results, {"zoo-model": ["Linen"]})
+    assert [row[0] for row in rows] == ["family", "gpt3", "zoo-model (Linen bridged)"]

@@ -8,6 +8,7 @@ session when a golden on disk is claimed by no collected test.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ class SessionReport:
         elif self.results:
             title = "Linen/NNX agreement (agreed/run; f=failed s=skipped x=xfailed)"
             terminalreporter.section(title)
-            for line in agreement_matrix(self.results):
+            bridged = settings(self.config).bridged()
+            for line in agreement_matrix(self.results, bridged):
                 terminalreporter.write_line(line)
             recorded = settings(self.config).recorded()
             if recorded and any(check.startswith("recorded_") for _, check in self.results):
@@ -71,8 +73,14 @@ class SessionReport:
                 terminalreporter.write_line(f"  {path.relative_to(self.config.rootpath)}")
 
 
-def agreement_matrix(results: dict[tuple[str, str], dict[str, int]]) -> list[str]:
-    """The family x check table, one row per family; a cell reads ``agreed/run (extras)``."""
-    rows = matrix_rows(results)
+def agreement_matrix(
+    results: dict[tuple[str, str], dict[str, int]],
+    bridged: Mapping[str, Sequence[str]] | None = None,
+) -> list[str]:
+    """The family x check table, one row per family; a cell reads ``agreed/run (extras)``.
+
+    Families with a ``bridged`` side are labelled so (:func:`matrix_rows`).
+    """
+    rows = matrix_rows(results, bridged)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]

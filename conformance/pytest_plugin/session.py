@@ -24,6 +24,7 @@ from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
 from conformance.pytest_plugin import options
 from conformance.pytest_plugin.tiers import Tier
+from conformance.runtime.provenance import Built
 from conformance.runtime.recorded import MissingReference, load
 from conformance.runtime.sides import SIDES
 
@@ -77,16 +78,37 @@ class Settings:
         ]
         if recorded := self.recorded():
             lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
-        lines += [f"conformance: {family}: {built}" for family, built in self.built.items()]
+        for family, built in self.built.items():
+            sides = (
+                built
+                if isinstance(built, str)
+                else "; ".join(f"{side} {b.describe()}" for side, b in built.items())
+            )
+            lines.append(f"conformance: {family}: {sides}")
+        lines += [
+            f"conformance: {family}: {side} is bridged: parity tests the "
+            f"{self.built[family][side].whole} bridge around the other backend's model"
+            for family, sides in self.bridged().items()
+            for side in sides
+        ]
         return lines
 
+    def bridged(self) -> dict[str, list[str]]:
+        """Each family's sides that are the other backend's model behind a bridge, by name."""
+        return {
+            family: whole
+            for family, built in self.built.items()
+            if not isinstance(built, str)
+            and (whole := [side for side, b in built.items() if b.whole])
+        }
+
     @functools.cached_property
-    def built(self) -> dict[str, str]:
+    def built(self) -> dict[str, dict[str, Built] | str]:
         """What each side of each family builds: model class and bridged modules.
 
-        ``{family: "Linen pkg.Model (nothing bridged); NNX pkg.Model (2 ToNNX)"}`` for
-        the base config; a family that cannot run here, or whose model fails to build,
-        says so instead (the checks report the failure).
+        ``{family: {"Linen": Built, "NNX": Built}}`` for the base config; a family that
+        cannot run here, or whose model fails to build, says why instead (the checks
+        report the failure).
         """
         from conformance.core.scope import Scope
         from conformance.runtime.backends import linen_runner, nnx_runner
@@ -103,13 +125,9 @@ class Settings:
             try:
                 config = family.config(family.device_size, scan_layers=scan)
                 with Scope():
-                    sides = [
-                        f"{n} {r(family, config).built.describe()}" for n, r in runners.items()
-                    ]
+                    found[family.name] = {n: r(family, config).built for n, r in runners.items()}
             except Exception as err:  # a header line, not a verdict: the checks report it
                 found[family.name] = f"not built ({type(err).__name__}: {err})"
-                continue
-            found[family.name] = "; ".join(sides)
         return found
 
     def recorded(self) -> list[str]:
@@ -225,7 +243,8 @@ def _register(config: pytest.Config, run: Settings) -> None:
         from conformance.report.model import header
 
         meshes = [m.id for m in run.run_meshes]
-        head = header(run.tier.name, meshes, run.xla_opt, [f.name for f in run.families])
+        families = [f.name for f in run.families]
+        head = header(run.tier.name, meshes, run.xla_opt, families, run.bridged())
         command = [str(config.invocation_params.dir), *config.invocation_params.args]
         writes = distributed.is_leader()
         collector = ReportCollector(Path(directory).resolve(), head, command, writes=writes)

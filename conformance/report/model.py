@@ -116,8 +116,18 @@ def case_of(nodeid: str, family: str | None) -> str | None:
     return case.removeprefix(f"{family}-") if family else case
 
 
-def header(tier: str, meshes: Sequence[str], xla_opt: str, families: Sequence[str]) -> Json:
-    """A process's run header: library versions, platform and devices, tier and meshes."""
+def header(
+    tier: str,
+    meshes: Sequence[str],
+    xla_opt: str,
+    families: Sequence[str],
+    bridged: Mapping[str, Sequence[str]] | None = None,
+) -> Json:
+    """A process's run header: library versions, platform and devices, tier and meshes.
+
+    ``bridged`` names each family's sides that are the other backend's model behind a
+    bridge (``{"maxtext-gpt3": ["Linen"]}``); the matrix labels those families.
+    """
     import jax
 
     versions = library_versions()
@@ -132,6 +142,7 @@ def header(tier: str, meshes: Sequence[str], xla_opt: str, families: Sequence[st
         "meshes": list(meshes),
         "xla_opt": xla_opt,
         "families": list(families),
+        "bridged": {family: list(sides) for family, sides in (bridged or {}).items()},
     }
 
 
@@ -212,16 +223,34 @@ def cell_text(counts: Mapping[str, int]) -> str:
     return text + (f" ({' '.join(extras)})" if extras else "")
 
 
-def matrix_rows(results: Mapping[tuple[str, str], Mapping[str, int]]) -> list[list[str]]:
-    """The family x check table: a header row, then one row of :func:`cell_text` per family."""
+def matrix_rows(
+    results: Mapping[tuple[str, str], Mapping[str, int]],
+    bridged: Mapping[str, Sequence[str]] | None = None,
+) -> list[list[str]]:
+    """The family x check table: a header row, then one row of :func:`cell_text` per family.
+
+    A family with a ``bridged`` side is labelled so (``maxtext-gpt3 (Linen bridged)``):
+    its parity tests a bridge around one model, not two implementations.
+    """
+    bridged = bridged or {}
     families = sorted({f for f, _ in results})
     checks = sorted({c for _, c in results})
     rows = [["family", *checks]]
-    rows += [
-        [f, *(cell_text(results[f, c]) if (f, c) in results else "" for c in checks)]
-        for f in families
-    ]
+    for f in families:
+        label = f"{f} ({', '.join(bridged[f])} bridged)" if bridged.get(f) else f
+        rows.append(
+            [label, *(cell_text(results[f, c]) if (f, c) in results else "" for c in checks)]
+        )
     return rows
+
+
+def bridged_sides(report: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each family's bridged sides, as the report's runs declare them."""
+    found: dict[str, list[str]] = {}
+    for run in report["runs"]:
+        for family, sides in run.get("bridged", {}).items():
+            found[family] = sorted({*found.get(family, []), *sides})
+    return found
 
 
 def headroom(report: Mapping[str, Any]) -> dict[tuple[str, str], float]:

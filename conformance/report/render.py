@@ -21,6 +21,7 @@ from conformance.report import plots
 from conformance.report.model import (
     Json,
     RecordedTest,
+    bridged_sides,
     cells,
     cost_rows,
     failures,
@@ -97,7 +98,9 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         "",
     ]
     results = cells(report)
-    lines += table(matrix_rows(results)) if results else ["No suite test ran."]
+    lines += (
+        table(matrix_rows(results, bridged_sides(report))) if results else ["No suite test ran."]
+    )
     if headroom(report):
         lines += ["", "## Headroom of agreeing comparisons", "", *table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
@@ -153,10 +156,9 @@ def _html_table(rows: list[list[str]], classes: list[list[str]] | None = None, *
 def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
     """The self-contained HTML page: matrix, headroom, cost table, each failure with plots."""
     results = cells(report)
-    rows = matrix_rows(results)
-    classes = [
-        ["", *(_cell_class(results.get((row[0], c), {})) for c in rows[0][1:])] for row in rows[1:]
-    ]
+    rows = matrix_rows(results, bridged_sides(report))
+    families = sorted({f for f, _ in results})  # the rows' order, before their labels
+    classes = [["", *(_cell_class(results.get((f, c), {})) for c in rows[0][1:])] for f in families]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         "<title>Linen/NNX conformance report</title>",

@@ -35,11 +35,18 @@ class Built:
     """The top module's class, ``module.QualName``."""
     bridged: dict[str, int]
     """``{bridge name: modules}`` for the bridges it holds (none: empty)."""
+    whole: str | None = None
+    """The bridge the top module itself is (``"ToLinen"``): the whole side is the other
+    backend's model behind it, as maxtext 0.2.5's Linen ``TransformerLinen`` is."""
 
     def describe(self) -> str:
-        """``pkg.mod.Class (3 ToLinen)``, or ``... (nothing bridged)``."""
+        """``pkg.mod.Class (3 ToLinen)``, or ``... (nothing bridged)``.
+
+        A side that is a bridge as a whole adds ``; bridged: the other backend's model``.
+        """
         found = ", ".join(f"{n} {kind}" for kind, n in sorted(self.bridged.items()))
-        return f"{self.model} ({found or 'nothing bridged'})"
+        whole = "; bridged: the other backend's model" if self.whole else ""
+        return f"{self.model} ({found or 'nothing bridged'}{whole})"
 
 
 def _name(module: object) -> str:
@@ -50,7 +57,8 @@ def _name(module: object) -> str:
 def nnx_built(model: nnx.Module) -> Built:
     """What an NNX model (concrete or abstract) is built of."""
     kinds = (bridge_of(node) for _, node in nnx.iter_graph(model))
-    return Built(_name(model), dict(Counter(kind for kind in kinds if kind is not None)))
+    found = dict(Counter(kind for kind in kinds if kind is not None))
+    return Built(_name(model), found, bridge_of(model))
 
 
 class LinenBridges:
@@ -73,4 +81,4 @@ class LinenBridges:
 
     def built(self, module: nn.Module) -> Built:
         """What ``module`` is built of, from what the watched calls ran."""
-        return Built(_name(module), dict(Counter(self._seen.values())))
+        return Built(_name(module), dict(Counter(self._seen.values())), bridge_of(module))
