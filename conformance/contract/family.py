@@ -242,6 +242,11 @@ class Family(abc.ABC):
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
 
+    state_stack_axis: int = 0
+    """Axis of a scanned :attr:`persistent_state` leaf that indexes layers. Flax's scans
+    stack collections other than the parameters on axis 0 unless told otherwise, as
+    MaxText's do (its ``MoEBiasVar`` on 0, its parameters on ``param_scan_axis`` 1)."""
+
     @property
     def device_size(self) -> str:
         """The size every numeric check runs on devices: the first of :attr:`sizes`."""

@@ -36,7 +36,7 @@ from conformance.core.trees import (
     unflatten,
 )
 from conformance.core.trees import restack as trees_restack
-from conformance.runtime.backends import linen_runner, path_map
+from conformance.runtime.backends import linen_runner, path_map, persistent_collections
 from conformance.runtime.training import TRAINERS, flat_state
 
 FORMAT_VERSION = 1
@@ -202,8 +202,9 @@ def convert(
     """Convert a train state between backends and layer layouts.
 
     The state goes to Linen paths of its own layout, is restacked if the layout
-    changes, and then goes to the target backend's paths; optimizer moments follow
-    their parameters and counters pass through unchanged.
+    changes (parameters on ``Family.layer_stack_axis``, persistent state on
+    ``Family.state_stack_axis``), and then goes to the target backend's paths; optimizer
+    moments follow their parameters and counters pass through unchanged.
     """
     rename = seam("convert_rename", _rename)
     restack = seam("convert_restack", trees_restack)
@@ -214,10 +215,18 @@ def convert(
         state = rename(state, map_state_paths(to_linen, state))
     if source.scan_layers != scan_layers:
         loop_config = family.config(source.size, scan_layers=False)
-        table = layer_table(
-            family.layer_stack_rules(loop_config), linen_runner(family, loop_config).specs
+        rules, runner = family.layer_stack_rules(loop_config), linen_runner(family, loop_config)
+        state = restack(
+            state, layer_table(rules, runner.specs), scan_layers, family.layer_stack_axis
         )
-        state = restack(state, table, scan_layers, family.layer_stack_axis)
+        persistent = {
+            path: spec
+            for collection in persistent_collections(family)
+            for path, spec in runner.kept.get(collection, {}).items()
+        }
+        if persistent:
+            table = layer_table(rules, persistent)
+            state = restack(state, table, scan_layers, family.state_stack_axis)
     if backend == "nnx":
         state = rename(state, map_state_paths(path_map(family, dst_config), state))
     state = seam("convert_cast_counters", cast_counters)(
