@@ -88,3 +88,9 @@ def test_no_family_keeping_goldens_per_release_is_a_clear_error(capsys):
 def test_an_unknown_family_is_a_clear_error(capsys):
     assert upgrade.main(["--family", "no-such-family"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_cost_golden_that_moved_leads_with_its_ratios():
+    old = {"programs": {"forward": {"nnx": {"flops": 100.0, "bytes_accessed": 10.0}}}}
+    new = {"programs": {"forward": {"nnx": {"flops": 213.0, "bytes_accessed": 10.0}}}}
+    assert upgrade.cost_ratios(old, new) == ["forward nnx: flops 2.130x"]

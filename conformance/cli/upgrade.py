@@ -57,6 +57,32 @@ def _golden_files(folder: Path) -> set[Path]:
     return {p.relative_to(folder) for p in folder.rglob("*.json")} if folder.is_dir() else set()
 
 
+_COST_MEASURES = ("flops", "bytes_accessed", "temp_bytes")
+"""The compiled-cost measures summarised as ratios between releases."""
+
+
+def cost_ratios(old: Any, new: Any) -> list[str]:
+    """``forward nnx: flops 2.129x, bytes_accessed 1.562x`` per program and side that moved.
+
+    ``old`` and ``new`` are cost goldens (``programs/<program>/<side>/<measure>``); a
+    measure within 0.1 % of the earlier release's is left out.
+    """
+    found = []
+    for program, sides in sorted(new.get("programs", {}).items()):
+        for side, now in sorted(sides.items()):
+            was = old.get("programs", {}).get(program, {}).get(side)
+            if was is None:
+                continue
+            moved = [
+                f"{m} {now[m] / was[m]:.3f}x"
+                for m in _COST_MEASURES
+                if was.get(m) and abs(now[m] / was[m] - 1) > 1e-3
+            ]
+            if moved:
+                found.append(f"{program} {side}: {', '.join(moved)}")
+    return found
+
+
 def golden_changes(root: Path, family: str, release: str) -> tuple[list[dict[str, Any]], int]:
     """Each golden that changed, appeared or went from an earlier release to ``release``.
 
@@ -71,16 +97,17 @@ def golden_changes(root: Path, family: str, release: str) -> tuple[list[dict[str
     for old in sorted(p.name for p in base.iterdir() if p.is_dir() and p.name != release):
         was = _golden_files(base / old)
         for name in sorted(was | now, key=str):
-            if name not in now:
-                found.append({"from": old, "golden": str(name), "change": "removed", "lines": []})
-            elif name not in was:
-                found.append({"from": old, "golden": str(name), "change": "added", "lines": []})
-            elif lines := changes(load(base / old / name), load(base / release / name)):
-                found.append(
-                    {"from": old, "golden": str(name), "change": "changed", "lines": lines}
-                )
-            else:
+            entry = {"from": old, "golden": str(name), "lines": []}
+            if name not in now or name not in was:
+                found.append(entry | {"change": "removed" if name not in now else "added"})
+                continue
+            before, after = load(base / old / name), load(base / release / name)
+            if not (lines := changes(before, after)):
                 same += 1
+                continue
+            if name.parts[0] == "cost":  # the ratios first, then the numbers
+                lines = cost_ratios(before, after) + lines
+            found.append(entry | {"change": "changed", "lines": lines})
     return found, same
 
 
