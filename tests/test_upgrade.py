@@ -74,7 +74,7 @@ def test_the_section_joins_the_report_files_beside_the_run_s_recorded_verdicts(t
     section = text.split("## Release upgrade")[1].split("## Failures")[0]
     assert "### zoo-model: release 1.1" in section
     assert "- `structure/tiny.json` changed since 1.0" in section
-    assert "Checkpoint of recorded NNX (zoo 1.0) (nnx): 9 of 10 leaves unchanged:" in section
+    assert "Checkpoint of recorded NNX (zoo 1.0): 9 of 10 leaves unchanged:" in section
     assert "model/w: recorded Param float32[4, 1], live Bias float32[1, 4]" in section
     assert "Numbers against the recorded references: recorded_forward 1/1" in section
     assert "Release upgrade" in (tmp_path / "report.html").read_text()

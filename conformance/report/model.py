@@ -320,7 +320,7 @@ def upgrade_lines(report: Mapping[str, Any], limit: int = 12) -> list[str]:
             lines += [f"  - ... and {more} more"] if more else []
         for point in upgrade["checkpoints"]:
             lines.append(
-                f"- Checkpoint of {point['recorded_with']} ({point['backend']}): "
+                f"- Checkpoint of {point['recorded_with']}: "
                 f"{point['unchanged']} of {point['leaves']} leaves unchanged"
                 + (":" if point["moved"] else "")
             )
