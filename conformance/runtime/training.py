@@ -246,10 +246,10 @@ class LinenTrainer:
         found = {}
         for path in flatten(self.abstract_state):
             param = path.removeprefix("model/")
-            collection = self.kept.get(param)
-            kind = self._kinds[collection] if collection else None
-            kind = kind or ("Param" if param in self.runner.specs else None)
-            found[path] = kind or "OptState"
+            if (collection := self.kept.get(param)) is not None:
+                found[path] = self._kinds[collection]
+            else:
+                found[path] = "Param" if param in self.runner.specs else "OptState"
         return found
 
     def initial_state(self, params: Flat) -> dict[str, Any]:
