@@ -4,8 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ## MaxText (optional extra) lives in its own venv, so `make test` never needs it.
-MAXTEXT_VENV := .venv-maxtext
+## MAXTEXT picks the release: 0.2.5, MaxText's current one (Linen deleted: its Linen side is
+## the ToLinen bridge around the NNX model, gated against 0.2.4's recorded references), or
+## 0.2.4, the last with its own Linen. Each has its own venv and constraints file.
+MAXTEXT ?= 0.2.5
+MAXTEXT_VENV := .venv-maxtext-$(MAXTEXT)
 MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
+MAXTEXT_CONSTRAINTS := constraints-maxtext-$(MAXTEXT).txt
 
 ## TIER chooses how much of the suite runs: smoke, default or full (see README "Tiers").
 TIER ?= default
@@ -15,7 +20,8 @@ BUILTIN := --family gpt3 --family llama --family moe
 REPORT ?=
 REPORT_ARG := $(if $(REPORT),--report $(abspath $(REPORT)))
 
-.PHONY: setup setup-maxtext parity test test-maxtext multihost lint goldens goldens-maxtext benchmark clean
+.PHONY: setup setup-maxtext parity test test-maxtext upgrade-report multihost lint goldens \
+	goldens-maxtext benchmark clean
 
 setup: $(STAMP)
 
@@ -27,12 +33,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup-maxtext: $(MAXTEXT_STAMP)
 
-$(MAXTEXT_STAMP): pyproject.toml constraints.txt constraints-maxtext.txt
+$(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 	$(PYTHON) -m venv $(MAXTEXT_VENV)
 	$(MAXTEXT_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(MAXTEXT_VENV)/bin/python -m pip install --quiet -c constraints.txt \
-	  -c constraints-maxtext.txt -e '.[dev,maxtext]'
+	  -c $(MAXTEXT_CONSTRAINTS) -e '.[dev,maxtext]'
 	touch $(MAXTEXT_STAMP)
+
+constraints-maxtext-%.txt:
+	@echo "error: MAXTEXT=$* is not a release this harness supports (constraints-maxtext-<release>.txt: $(patsubst constraints-maxtext-%.txt,%,$(wildcard constraints-maxtext-*.txt)))" >&2; exit 2
 
 ## The main job: the built-in families' parity run in one process, a progress line per
 ## family x check, then the agreement matrix. Exit 5 (nothing selected) is a failure too.
@@ -54,15 +63,29 @@ multihost: $(STAMP)
 	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
 	  --tier smoke $(REPORT_ARG) $(ARGS)
 
-## The MaxText families alone, in the maxtext venv (the default run skips them there).
-## Named families that cannot run here (maxtext missing or of another version) are a
-## usage error, never a run of skips.
+## The MaxText families alone, in the venv of maxtext $(MAXTEXT) (the default run skips
+## them there). Named families that cannot run here (maxtext missing or of a release the
+## adapter does not support) are a usage error, never a run of skips.
 ## MAXTEXT_FAMILIES narrows the run (CI splits the four families over two processes).
 MAXTEXT_FAMILIES ?= maxtext-*
 
 test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance $(foreach f,$(MAXTEXT_FAMILIES),--family '$(f)') \
 	  --tier $(TIER) $(REPORT_ARG) $(ARGS)
+
+## What changed from maxtext 0.2.4 to $(MAXTEXT): the MaxText families' recorded_* checks
+## (this release's numbers against 0.2.4's recorded references), then the golden and
+## checkpoint changes, as the "Release upgrade" section of the report in UPGRADE_REPORT
+## (default: REPORT, else reports/upgrade). UPGRADE_RUN=0 adds the section to a report whose
+## run already holds those checks (CI's MaxText processes).
+UPGRADE_REPORT ?= $(if $(REPORT),$(REPORT),reports/upgrade)
+UPGRADE_RUN ?= 1
+
+upgrade-report: $(MAXTEXT_STAMP)
+	$(if $(filter 1,$(UPGRADE_RUN)),$(MAXTEXT_VENV)/bin/python -m conformance --family 'maxtext-*' \
+	  -k recorded --tier $(TIER) --report $(abspath $(UPGRADE_REPORT)) $(ARGS))
+	$(MAXTEXT_VENV)/bin/python -m conformance.upgrade --family 'maxtext-*' \
+	  --report $(abspath $(UPGRADE_REPORT))
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -81,4 +104,4 @@ benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(MAXTEXT_VENV)
+	rm -rf $(VENV) .venv-maxtext-*

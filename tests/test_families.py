@@ -12,7 +12,8 @@ from conformance.contract import discovery, validate
 from conformance.core.failure import CheckFailure
 from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
-from conformance_models.maxtext.family import MAXTEXT_VERSION, MaxTextFamily
+from conformance_models.maxtext import releases
+from conformance_models.maxtext.family import MaxTextFamily
 
 MAXTEXT = ["maxtext-deepseek3", "maxtext-gemma2", "maxtext-gpt3", "maxtext-llama2"]
 
@@ -45,12 +46,21 @@ def _version(found):
     return version
 
 
+@pytest.fixture(autouse=True)
+def _forget_installed():
+    """The adapter caches the installed maxtext version; each test installs its own."""
+    releases.installed.cache_clear()
+    yield
+    releases.installed.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("installed", "reason"),
     [
-        (None, "maxtext is not installed (pip install -e '.[maxtext]')"),
-        ("0.2.5", f"maxtext 0.2.5 is installed; the adapter needs {MAXTEXT_VERSION}"),
-        (MAXTEXT_VERSION, None),
+        (None, "maxtext is not installed (make setup-maxtext MAXTEXT=0.2.5, or MAXTEXT=0.2.4)"),
+        ("0.2.6", "maxtext 0.2.6 is installed; the adapter supports 0.2.4, 0.2.5"),
+        ("0.2.4", None),
+        ("0.2.5", None),
     ],
 )
 def test_maxtext_families_say_in_one_line_why_they_cannot_run(monkeypatch, installed, reason):

@@ -11,6 +11,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from conformance_models.maxtext import releases
+
 SEQ_LEN = 16
 """Tokens per row of every batch (MaxText's ``max_target_length``)."""
 
@@ -27,12 +29,6 @@ _FIXED: Mapping[str, Any] = {
     "enable_dropout": True,
 }
 """Overrides every family gets: tiny CPU-friendly shapes, reference attention, f32 weights."""
-
-_BACKENDS: Mapping[str, Mapping[str, bool]] = {
-    "linen": {"pure_nnx": False, "enable_nnx": False, "pure_nnx_decoder": False},
-    "nnx": {"pure_nnx": True, "enable_nnx": True, "pure_nnx_decoder": True},
-}
-"""MaxText's switches for its pure Linen ``TransformerLinenPure`` and its NNX ``Transformer``."""
 
 
 def _frozen(value: Any) -> Any:
@@ -84,7 +80,7 @@ class MaxTextConfig:
     def keys(self, backend: str) -> dict[str, Any]:
         """Every MaxText config key this config sets, for ``backend`` ``"linen"`` or ``"nnx"``."""
         keys = {k: _thawed(v) for k, v in self.overrides}
-        keys |= dict(_FIXED) | dict(_BACKENDS[backend])
+        keys |= dict(_FIXED) | dict(releases.switches(backend))
         keys |= {
             "model_name": self.model_name,
             "scan_layers": self.scan_layers,

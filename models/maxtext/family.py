@@ -1,16 +1,19 @@
 """MaxText families registered through the ``conformance.families`` entry point group.
 
 Each family is one MaxText model shrunk by MaxText's own ``base_*`` overrides, built
-twice by MaxText itself: its pure Linen ``TransformerLinenPure`` (``pure_nnx``,
-``enable_nnx``, ``pure_nnx_decoder`` all False) and its NNX ``Transformer`` (all True).
-Nothing here imports ``maxtext`` until a test needs a model, so the families load
-without it and :meth:`MaxTextFamily.unavailable` gives the skip reason.
+twice by MaxText itself. On maxtext 0.2.4: its pure Linen ``TransformerLinenPure``
+(``pure_nnx``, ``enable_nnx``, ``pure_nnx_decoder`` all False) and its NNX
+``Transformer`` (all True). On 0.2.5, which deleted Linen: its ``TransformerLinen``, the
+``ToLinen`` bridge around the NNX ``Transformer``, and the NNX ``Transformer``; every
+numeric check also runs against the references 0.2.4 recorded
+(:mod:`conformance_models.maxtext.releases` holds what differs). Nothing here imports
+``maxtext`` until a test needs a model, so the families load without it and
+:meth:`MaxTextFamily.unavailable` gives the skip reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -32,12 +35,8 @@ from conformance.families import (
     QuantScope,
 )
 from conformance_models.data import make_batch
+from conformance_models.maxtext import releases
 from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
-
-MAXTEXT_VERSION = "0.2.4"
-"""The release the adapter targets: the last one with both a Linen and an NNX path."""
-
-INSTALL_HINT = "pip install -e '.[maxtext]'"
 
 
 class MaxTextFamily(Family):
@@ -64,18 +63,59 @@ class MaxTextFamily(Family):
         quantization=frozenset(QUANTIZATION_MODES),
         vocab_tiling=True,
         fp8=True,
+        recorded=("linen", "nnx"),  # maxtext 0.2.4's two implementations
     )
     train_rngs = ("dropout",)
 
+    divergences: ClassVar[Mapping[str, Mapping[str, str]]] = MappingProxyType({})
+    """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
+
     def unavailable(self) -> str | None:
-        """Why MaxText families cannot run here: maxtext missing, or another version."""
+        """Why MaxText families cannot run here: maxtext missing, or an unsupported release."""
+        return releases.unsupported()
+
+    @property
+    def release(self) -> str | None:  # type: ignore[override]
+        """The installed maxtext release (goldens are kept per release), if supported."""
+        return None if releases.unsupported() else releases.installed()
+
+    @property
+    def known_divergences(self) -> Mapping[str, str]:  # type: ignore[override]
+        """The installed release's known divergences (:attr:`divergences`)."""
+        return self.divergences.get(self.release or "", MappingProxyType({}))
+
+    def upgrade_reference(
+        self, leaves: Mapping[str, Any], versions: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """A reference's leaves, recorded with another maxtext, in this release's layout.
+
+        The version map is :func:`~conformance_models.maxtext.releases.upgrade`.
+        """
         try:
-            version = importlib.metadata.version("maxtext")
-        except importlib.metadata.PackageNotFoundError:
-            return f"maxtext is not installed ({INSTALL_HINT})"
-        if version != MAXTEXT_VERSION:
-            return f"maxtext {version} is installed; the adapter needs {MAXTEXT_VERSION}"
-        return None
+            return releases.upgrade(leaves, versions.get("maxtext", "unknown"))
+        except ValueError as err:
+            raise FamilyError(f"{self.name}: {err}") from None
+
+    @property
+    def persistent_state(self) -> tuple[type, ...]:  # type: ignore[override]
+        """From 0.2.5, the MoE routing bias (``MoEBiasVar``) is a Variable of its own.
+
+        0.2.4 kept it as a parameter; 0.2.5 moved it out of ``nnx.Param`` (and, through
+        the ``ToLinen`` bridge, out of Linen's ``params`` into collection ``MoEBiasVar``).
+        """
+        if not releases.bridged():
+            return ()
+        from maxtext.layers.moe import MoEBiasVar
+
+        return (MoEBiasVar,)
+
+    @property
+    def expected_bridges(self) -> Mapping[str, int] | None:  # type: ignore[override]
+        """Bridged modules by side: from 0.2.5, Linen is one ``ToLinen`` (the whole model).
+
+        0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
+        """
+        return {"linen": 1, "nnx": 0} if releases.bridged() else None
 
     def config(
         self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32
@@ -97,8 +137,15 @@ class MaxTextFamily(Family):
         return MaxTextConfig.create(size, overrides, scan_layers=scan_layers, dtype=dtype)
 
     def linen_module(self, config: MaxTextConfig) -> nn.Module:
-        """MaxText's ``TransformerLinenPure`` for ``config``."""
-        from conformance_models.maxtext.modules import linen_transformer
+        """MaxText's Linen model for ``config``.
+
+        0.2.4's ``TransformerLinenPure``; from 0.2.5, ``TransformerLinen`` (the ``ToLinen``
+        bridge around the NNX model).
+        """
+        if releases.bridged():
+            from conformance_models.maxtext.bridged_linen import linen_transformer
+        else:
+            from conformance_models.maxtext.pure_linen import linen_transformer
 
         return linen_transformer(config)
 
@@ -214,7 +261,8 @@ _PARTITIONED = (
 _PTQ_LINEN = (
     "qwix 0.1.8's PTQ looks for a weight only among the current Linen module's own "
     "top-level params (utils/flax_util.py find_param); MaxText's Linen decoder layers are "
-    "NNX layers bridged by to_linen, whose params lie nested below that module, so on "
+    "NNX layers behind a ToLinen bridge (0.2.4: each layer; 0.2.5: the whole model), whose "
+    "params lie nested below that module, so on "
     "Linen no decoder-layer kernel becomes qvalue/scale ({leaves} stay float in every "
     "layer) while NNX quantizes each one"
 )
@@ -239,6 +287,14 @@ _MOE_AQT_LAYOUT = _MOE_AQT + (
     "(decoder/moe_layers_0/AqtEinsum_{0,1,2}/AqtDotGeneral_0/qrhs/frozen/{qvalue,scale/0}, "
     "int8[4, 64, 64]); the NNX model has none of these 6 leaves"
 )
+_MOE_AQT_BRIDGED = (
+    "maxtext 0.2.5's routed MoE keeps its AQT einsums as NNX state in plain attributes "
+    "(quant_einsum_wi_0, ...), which Flax treats as static: building the model through the "
+    'ToLinen bridge raises "Found data on value of type State assigned to static attribute '
+    "'quant_einsum_wi_0' of Pytree type RoutedMoE\" (unrolled layers in every mode, scanned "
+    "layers in convert and serve), while the NNX model builds. Scanned layers' AQT forward "
+    "and train step agree on 0.2.5; on 0.2.4 every mode failed on both backends"
+)
 _VOCAB_TILING = MappingProxyType(
     {
         "vocab_tiling": "maxtext 0.2.4's vocab-tiled losses (utils/vocabulary_tiling.py: "
@@ -257,6 +313,36 @@ _MOE_FP8 = (
     "nn.Fp8Einsum), inside an NNX module: Linen trains, NNX raises 'Can't call compact "
     "methods on unbound modules' in its first step"
 )
+
+
+_VOCAB_TILING_BRIDGED = MappingProxyType(
+    {
+        "vocab_tiling": "maxtext 0.2.5 deleted its Linen tiled loss (vocab_tiling_linen_loss), "
+        "and its Linen face cannot run the NNX one: the ToLinen bridge's Qwix patch "
+        "(layers/nnx_wrappers.py _fix_for_qwix_quantization) wraps every NNX module call "
+        "to read the innermost Linen module's path, which is None inside "
+        "vocab_tiling_nnx_loss's scan: the bridged Linen step raises \"AttributeError: "
+        "'NoneType' object has no attribute 'path'\"; the NNX step trains tiled"
+    }
+)
+
+
+def _releases(
+    found: Mapping[str, str], only: Mapping[str, Mapping[str, str]] = MappingProxyType({})
+) -> Mapping[str, Mapping[str, str]]:
+    """Known divergences by maxtext release: ``found`` on every release, then ``only``'s.
+
+    0.2.4's vocab-tiling bug is 0.2.4's alone (0.2.5 fixed it in NNX and deleted the Linen
+    tiled loss, which its bridged Linen side cannot replace).
+    """
+    return MappingProxyType(
+        {
+            "0.2.4": MappingProxyType({**_VOCAB_TILING, **found, **only.get("0.2.4", {})}),
+            "0.2.5": MappingProxyType({**_VOCAB_TILING_BRIDGED, **found, **only.get("0.2.5", {})}),
+        }
+    )
+
+
 _TINY = MappingProxyType({"base_num_decoder_layers": 2, "vocab_size": 256})
 _SMALL_ATTENTION = MappingProxyType(
     {
@@ -276,20 +362,30 @@ class MaxTextGpt3(MaxTextFamily):
     model_name = "gpt3-52k"
     sizes = ("tiny", "gpt3-175b")
     overrides = MappingProxyType({})
-    known_divergences = MappingProxyType(
+    divergences = _releases(
         {
-            **_VOCAB_TILING,
             "grad_accumulation": _BF16_ATTEND,
-            "sharding_invariance[fsdp8-scan]": "on fsdp8 with scanned layers one element of "
-            "the token-embedding gradient is 1.06e-5 from one device's (atol 1e-5), on both "
-            "backends alike: " + _BF16_ROUNDED + ", and another reduction order moves it by "
-            "a rounding step",
             **_ptq_divergences("self_attention/{qkv_proj,out}/kernel and mlp/{wi,wo}/kernel"),
             "layout": "the key bias of the fused qkv_proj has a zero true gradient (softmax "
             "ignores a per-query shift), so its gradient is rounding noise, which Adam "
             "scales to steps of up to the learning rate; the noise, and so the step, differs "
             "between remat policies and between scanned and unrolled layers",
-        }
+        },
+        {
+            "0.2.4": {
+                "sharding_invariance[fsdp8-scan]": "on fsdp8 with scanned layers one element of "
+                "the token-embedding gradient is 1.06e-5 from one device's (atol 1e-5), on both "
+                "backends alike: " + _BF16_ROUNDED + ", and another reduction order moves it "
+                "by a rounding step",
+            },
+            "0.2.5": {
+                "sharding_invariance[data2-fsdp2-tensor2-scan]": "on data2-fsdp2-tensor2 with "
+                "scanned layers one element of the token-embedding gradient is 1.061e-5 from "
+                "one device's (atol 1e-5), on both backends alike: "
+                + _BF16_ROUNDED
+                + ", and another reduction order moves it by a rounding step",
+            },
+        },
     )
 
 
@@ -303,16 +399,20 @@ class MaxTextLlama2(MaxTextFamily):
         {"llama2-70b": {"num_vocab_tiling": 4}, "llama3.1-70b": {"num_vocab_tiling": 4}}
     )
     overrides = _SMALL_ATTENTION
-    known_divergences = MappingProxyType(
+    divergences = _releases(
         {
-            **_VOCAB_TILING,
             **_ptq_divergences(
                 "self_attention/{query,key,value,out}/kernel and mlp/{wi_0,wi_1,wo}/kernel"
             ),
-            "grad_accumulation[scan]": "scanned layers: loss and gradients agree; one "
-            "Adam-updated element of self_attention/out/kernel is 1.9e-5 apart (atol 1e-5): "
-            "its gradient is near zero, and Adam scales that rounding noise up to a step",
-        }
+        },
+        {
+            "0.2.4": {
+                "grad_accumulation[scan]": "scanned layers: loss and gradients agree; one "
+                "Adam-updated element of self_attention/out/kernel is 1.9e-5 apart (atol "
+                "1e-5): its gradient is near zero, and Adam scales that rounding noise up to "
+                "a step",
+            }
+        },
     )
 
 
@@ -339,24 +439,41 @@ class MaxTextDeepseek3(MaxTextFamily):
             "sparse_matmul": False,
         }
     )
-    known_divergences = MappingProxyType(
+    divergences = _releases(
         {
-            **_VOCAB_TILING,
             **_ptq_divergences(
                 "self_attention/{wq_a,wq_b,wkv_a,wkv_b,out}/kernel, the dense mlp/{wi_0,wi_1,wo}"
                 "/kernel, the MoE gate/kernel and shared_experts/{wi_0,wi_1,wo}/kernel"
             ),
-            **dict.fromkeys(
-                ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve"), _MOE_AQT_CALL
-            ),
-            "aqt_layout[loop]": _MOE_AQT_LAYOUT,
-            "fp8_train_step": _MOE_FP8,
-            "grad_accumulation": "4 micro-batches against the whole batch: "
-            + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
                 gap=0.11, leaf="self_attention/wkv_a/kernel"
             ),
-        }
+        },
+        {
+            "0.2.4": {
+                **dict.fromkeys(
+                    ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve"), _MOE_AQT_CALL
+                ),
+                "aqt_layout[loop]": _MOE_AQT_LAYOUT,
+                "fp8_train_step": _MOE_FP8,
+                "grad_accumulation": "4 micro-batches against the whole batch: "
+                + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
+            },
+            "0.2.5": {
+                **dict.fromkeys(
+                    (
+                        "aqt_forward[loop]",
+                        "aqt_train_step[loop]",
+                        "aqt_convert",
+                        "aqt_serve",
+                        "aqt_layout[loop]",
+                    ),
+                    _MOE_AQT_BRIDGED,
+                ),
+                "grad_accumulation[data2-fsdp2-tensor2]": "4 micro-batches against the whole "
+                "batch: " + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
+            },
+        },
     )
 
 
@@ -375,9 +492,8 @@ class MaxTextGemma2(MaxTextFamily):
     overrides = MappingProxyType(
         {**_SMALL_ATTENTION, "sliding_window_size": 4, "base_num_decoder_layers": 1}
     )
-    known_divergences = MappingProxyType(
+    divergences = _releases(
         {
-            **_VOCAB_TILING,
             **_ptq_divergences(
                 "self_attention_{local,global}/{query,key,value,out}/kernel and "
                 "mlp_{local,global}/{wi_0,wi_1,wo}/kernel"
@@ -391,10 +507,27 @@ class MaxTextGemma2(MaxTextFamily):
             "generated ones), not positions, so a local-attention layer's window is wrong "
             "for every right-padded row: decode step 0 differs from the full forward in every "
             "row by up to 3.6 in the logits, on both backends alike (decode itself agrees)",
-            "layout[data2-fsdp2-tensor2-scan_layers]": "scanned against unrolled layers: "
-            + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
             "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
                 gap=0.15, leaf="self_attention_local/query/kernel"
             ),
-        }
+        },
+        {
+            "0.2.4": {
+                "layout[data2-fsdp2-tensor2-scan_layers]": "scanned against unrolled layers: "
+                + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
+            },
+            "0.2.5": {
+                "recorded_quant_forward[qat_int8]": "maxtext 0.2.5's gemma2 attention computes "
+                "differently from 0.2.4's (the scanned NNX forward's compiled flops are 2.129x "
+                "0.2.4's, bytes accessed 1.562x: cost golden): the float forward still agrees "
+                "with 0.2.4's recordings within tolerance, but Qwix's qat_int8 forward moves by "
+                "up to 3.8e-2 in the logits (6,129 of 32,768 against recorded NNX, 4,343 against "
+                "recorded Linen), on both live sides alike",
+                "recorded_resume[recorded-linen]": "resumed from 0.2.4's recorded Linen state, "
+                "step 3's token-embedding gradient is 1.06e-5 from the recording in one element "
+                "(atol 1e-5), on both live sides alike: "
+                + _BF16_ROUNDED
+                + ", and 0.2.5 reorders the sum by a rounding step",
+            },
+        },
     )

@@ -1,4 +1,7 @@
-"""MaxText's two Transformers, wrapped to the harness's module conventions.
+"""MaxText's NNX Transformer in the harness's module conventions, and the Linen sides' helpers.
+
+The Linen sides are :mod:`~conformance_models.maxtext.pure_linen` (maxtext 0.2.4) and
+:mod:`~conformance_models.maxtext.bridged_linen` (from 0.2.5).
 
 Only the call signature changes: ``(tokens, positions, segment_ids, deterministic=...,
 mode=...)`` becomes MaxText's ``(decoder_input_tokens, decoder_positions,
@@ -29,9 +32,9 @@ from maxtext.common.common_types import (
     MODEL_MODE_TRAIN,
 )
 from maxtext.layers import quantizations
-from maxtext.models.models import Transformer, TransformerLinenPure
+from maxtext.models.models import Transformer
 from maxtext.utils import maxtext_utils
-from maxtext.utils.vocabulary_tiling import vocab_tiling_linen_loss, vocab_tiling_nnx_loss
+from maxtext.utils.vocabulary_tiling import vocab_tiling_nnx_loss
 
 from conformance_models.maxtext.config import MaxTextConfig, hyperparameters
 
@@ -43,13 +46,14 @@ _MODEL_MODES: Mapping[str, str] = {
 """The harness's call modes and MaxText's ``model_mode`` for each."""
 
 
-def _model_mode(mode: str) -> str:
+def maxtext_mode(mode: str) -> str:
+    """MaxText's ``model_mode`` for the harness's call ``mode``; a clear error for another."""
     if mode not in _MODEL_MODES:
         raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(_MODEL_MODES)}")
     return _MODEL_MODES[mode]
 
 
-def _check_cache_rows(config: Any, rows: int) -> None:
+def check_cache_rows(config: Any, rows: int) -> None:
     """MaxText's caches hold ``per_device_batch_size`` x devices rows, fixed at build."""
     expected = config.micro_batch_size_to_train_on
     if rows != expected:
@@ -79,7 +83,7 @@ def _quantization(config: MaxTextConfig, hp: Any) -> Any:
     return dataclasses.replace(quant, quant_dg=recipe)
 
 
-def _call_maxtext(
+def call_maxtext(
     call: Any,
     tokens: jax.Array,
     positions: jax.Array,
@@ -95,69 +99,10 @@ def _call_maxtext(
     )
 
 
-def _mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
+def mesh_and_quant(config: MaxTextConfig, hp: Any) -> tuple[jax.sharding.Mesh, Any]:
+    """The mesh and quantization MaxText's ``from_config`` gives a model of ``config``."""
     mesh = config.mesh if config.mesh is not None else maxtext_utils.get_mesh_from_config(hp)
     return mesh, _quantization(config, hp)
-
-
-class LinenTransformer(TransformerLinenPure):
-    """MaxText's pure Linen Transformer with the harness's call signature."""
-
-    def init(self, rngs: Any, *args: Any, mode: str = "forward", **kwargs: Any) -> Any:  # type: ignore[override]
-        """``init`` that also gives a ``dropout`` stream when given a single key.
-
-        With dropout on, MaxText's DeepSeek layers draw a dropout key even while
-        initialising deterministically, and Linen has no default stream to fall back to.
-        With ``mode="prefill"`` the variables include an empty ``cache`` collection for
-        the rows of ``args``: MaxText creates it by an autoregressive init.
-        """
-        if not isinstance(rngs, Mapping):
-            rngs = {"params": rngs, "dropout": jax.random.fold_in(rngs, 1)}
-        if _model_mode(mode) == MODEL_MODE_TRAIN:
-            return super().init(rngs, *args, **kwargs)
-        tokens, positions, *_ = args
-        _check_cache_rows(self.config, tokens.shape[0])
-        return super().init(
-            rngs, tokens[:, :1], positions[:, :1], None, model_mode=MODEL_MODE_AUTOREGRESSIVE
-        )
-
-    def apply(  # type: ignore[override]
-        self,
-        variables: Any,
-        *args: Any,
-        mode: str = "forward",
-        targets: jax.Array | None = None,
-        target_weights: jax.Array | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        """``apply`` in the harness's ``mode`` (MaxText's ``model_mode``).
-
-        With ``targets``, a training forward whose loss MaxText's trainer computes:
-        with ``num_vocab_tiling > 1`` the decoder sows its final hidden states instead
-        of returning logits, and ``vocab_tiling_linen_loss`` reduces them to the
-        summed weighted cross entropy, which is returned.
-        """
-        if targets is None:
-            return super().apply(variables, *args, model_mode=_model_mode(mode), **kwargs)
-        _, sown = super().apply(
-            variables, *args, model_mode=MODEL_MODE_TRAIN, mutable=["intermediates"], **kwargs
-        )
-        hidden = sown["intermediates"]["decoder"]["hidden_states"][0]
-        data = {"targets": targets, "targets_segmentation": target_weights}
-        loss, _ = vocab_tiling_linen_loss(hidden, data, self.config, self, variables, True)
-        return loss
-
-    def __call__(  # type: ignore[override]
-        self,
-        tokens: jax.Array,
-        positions: jax.Array,
-        segment_ids: jax.Array | None,
-        deterministic: bool = True,
-        model_mode: str = MODEL_MODE_TRAIN,
-    ) -> jax.Array:
-        """Logits ``[batch, seq, vocab]``; dropout only when not ``deterministic``."""
-        call = super().__call__
-        return _call_maxtext(call, tokens, positions, segment_ids, deterministic, model_mode)
 
 
 class NnxTransformer(Transformer):
@@ -181,10 +126,10 @@ class NnxTransformer(Transformer):
         """
         call = super().__call__
         if targets is None:
-            model_mode = _model_mode(mode)
-            return _call_maxtext(call, tokens, positions, segment_ids, deterministic, model_mode)
+            model_mode = maxtext_mode(mode)
+            return call_maxtext(call, tokens, positions, segment_ids, deterministic, model_mode)
         capturing = nnx.capture(call, nnx.Intermediate)
-        _, sown = _call_maxtext(
+        _, sown = call_maxtext(
             capturing, tokens, positions, segment_ids, deterministic, MODEL_MODE_TRAIN
         )
         (hidden,) = sown["decoder"]["hidden_states"].get_value()
@@ -197,25 +142,20 @@ class NnxTransformer(Transformer):
 
         MaxText's own ``init_cache`` is a stub, and its ``nnx.Cache`` variables exist
         only in a model built for autoregressive decoding; so the decoder is rebuilt
-        that way, keeping its parameters.
+        that way, keeping its parameters and other persistent state (maxtext 0.2.5's
+        ``MoEBiasVar``).
         """
-        _check_cache_rows(self.config, batch_size)
+        check_cache_rows(self.config, batch_size)
         mode = MODEL_MODE_AUTOREGRESSIVE
         serving = Transformer(self.config, self.mesh, self.quant, model_mode=mode, rngs=nnx.Rngs(0))
-        nnx.update(serving.decoder, nnx.state(self.decoder, nnx.Param))
+        kept = nnx.Not(nnx.Any(nnx.Cache, nnx.RngState))
+        nnx.update(serving.decoder, nnx.state(self.decoder, kept))
         self.decoder = serving.decoder
         self.model_mode = mode
-
-
-def linen_transformer(config: MaxTextConfig) -> LinenTransformer:
-    """The Linen side of ``config``, built as MaxText's ``from_config`` builds it."""
-    hp = hyperparameters(config, "linen")
-    mesh, quant = _mesh_and_quant(config, hp)
-    return LinenTransformer(hp, mesh, quant)
 
 
 def nnx_transformer(config: MaxTextConfig, rngs: nnx.Rngs) -> NnxTransformer:
     """The NNX side of ``config``, built as MaxText's ``from_config`` builds it."""
     hp = hyperparameters(config, "nnx")
-    mesh, quant = _mesh_and_quant(config, hp)
+    mesh, quant = mesh_and_quant(config, hp)
     return NnxTransformer(hp, mesh, quant, rngs=rngs)
