@@ -4,6 +4,7 @@ import dataclasses
 import importlib.metadata
 from types import MappingProxyType, SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conformance import families
@@ -226,3 +227,21 @@ def test_the_registry_validates_a_family_when_it_loads_it():
 def test_every_registered_family_is_valid():
     for family in families.registry().values():
         assert validate(family) is family
+
+
+def test_the_version_map_moves_the_scanned_routing_bias_layer_axis(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", _version("0.2.5"))
+    bias = "decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias"
+    unrolled = "decoder/moe_layers_0/DeepSeekMoeBlock_0/MoeBlock_0/gate/bias"
+    kernel = "decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/gate/kernel"
+    recorded = {bias: np.arange(4.0).reshape(4, 1), unrolled: np.zeros(4), kernel: np.ones((2, 4))}
+    upgraded = families.get("maxtext-deepseek3").upgrade_reference(recorded, {"maxtext": "0.2.4"})
+    np.testing.assert_array_equal(upgraded[bias], np.arange(4.0).reshape(1, 4))
+    assert upgraded[unrolled] is recorded[unrolled]
+    assert upgraded[kernel] is recorded[kernel]
+    same = families.get("maxtext-gpt3").upgrade_reference(recorded, {"maxtext": "0.2.5"})
+    assert same == recorded
+    with pytest.raises(
+        families.FamilyError, match=r"no version map from maxtext 0\.2\.3 to 0\.2\.5"
+    ):
+        families.get("maxtext-gpt3").upgrade_reference(recorded, {"maxtext": "0.2.3"})
