@@ -102,8 +102,8 @@ FAULTS = (
         "provenance",
         (
             "a side runs other code than declared",
-            "NNX built flax.nnx.bridge.wrappers.ToNNX (1 ToNNX): 1 ToNNX module(s), the family "
-            "declares 0 (it runs the other backend's code)",
+            "NNX built flax.nnx.bridge.wrappers.ToNNX (1 ToNNX; bridged: the other backend's "
+            "model): 1 ToNNX module(s), the family declares 0 (it runs the other backend's code)",
         ),
     ),
     Fault(
