@@ -19,7 +19,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from conformance.core.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
+from conformance.core.environment import (
+    XLA_OPT_LEVELS,
+    configure_host_platform,
+    set_matmul_precision,
+    set_xla_opt,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_host_platform()
     set_xla_opt(args.xla_opt)
+    set_matmul_precision()
     from conformance import contract
     from conformance.core.references import ARRAYS, directory, encode, references_root, write
     from conformance.runtime.recording import record

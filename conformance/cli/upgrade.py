@@ -29,7 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance.core.environment import XLA_OPT_LEVELS, configure_host_platform, set_xla_opt
+from conformance.core.environment import (
+    XLA_OPT_LEVELS,
+    configure_host_platform,
+    set_matmul_precision,
+    set_xla_opt,
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -180,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_host_platform()
     set_xla_opt(args.xla_opt)
+    set_matmul_precision()
     from conformance import contract
     from conformance.report import model, render
     from conformance.runtime.recorded import MissingReference

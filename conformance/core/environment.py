@@ -57,6 +57,24 @@ def set_xla_opt(level: str) -> None:
     jax.config.update("jax_disable_most_optimizations", level == "low")
 
 
+def set_matmul_precision() -> str:
+    """Multiply float32 matrices at float32 precision on every platform; return the setting.
+
+    GPUs (TF32) and TPUs (bfloat16 passes) multiply float32 matrices at lower precision by
+    default, so two correct backends that order or fuse their products differently would
+    disagree by more than float32's tolerances (on an H200, ``grad_accumulation``,
+    ``layout`` and ``vocab_tiling`` failed at jax's default and passed at ``highest``).
+    The CPU always multiplies at full precision, so nothing changes there. A precision
+    the user chose (``JAX_DEFAULT_MATMUL_PRECISION``) wins; one an operation asks for
+    explicitly is kept.
+    """
+    import jax
+
+    if not os.environ.get("JAX_DEFAULT_MATMUL_PRECISION"):
+        jax.config.update("jax_default_matmul_precision", "highest")
+    return str(jax.config.jax_default_matmul_precision)
+
+
 def library_versions() -> dict[str, str]:
     """The installed version of each of :data:`LIBRARIES` (those not installed are left out)."""
     versions = {}

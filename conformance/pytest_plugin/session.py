@@ -19,7 +19,11 @@ import pytest
 from conformance import contract
 from conformance.contract import Family
 from conformance.core import distributed, programs
-from conformance.core.environment import configure_host_platform, set_xla_opt
+from conformance.core.environment import (
+    configure_host_platform,
+    set_matmul_precision,
+    set_xla_opt,
+)
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
 from conformance.pytest_plugin import options
@@ -74,6 +78,7 @@ class Settings:
         lines = [
             f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
             f"conformance: families {families}; XLA optimisation {self.xla_opt}; "
+            f"matmul precision {jax.config.jax_default_matmul_precision}; "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
         ]
         if recorded := self.recorded():
@@ -203,6 +208,7 @@ def configure(config: pytest.Config, tier: Tier) -> None:
             raise pytest.UsageError(str(err)) from None
     xla_opt = options.value(config, "xla-opt")
     set_xla_opt(xla_opt)
+    set_matmul_precision()
     programs.install()
     meshes = options.value(config, "mesh")
     try:
