@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.core import programs
+from conformance.core import programs, scope
 from conformance.core.scope import Scope
 
 
@@ -25,16 +25,38 @@ def test_the_same_program_from_two_jit_objects_compiles_once_in_a_scope():
     np.testing.assert_array_equal(a, b)
 
 
-def test_a_release_drops_the_live_executables():
-    assert programs.install()
+def _over_the_mesh(x):
+    """``x`` split over every device (a mesh program's input)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+
+
+def _compiles_after_a_release(x):
+    """How often the second of two twin jits compiles ``x`` when a scope ended between."""
     first, second = _twin_jits()
-    x = jnp.arange(5.0)
     with Scope():
         first(x)
     compiled = programs.COUNTS.compiled
     with Scope():
         second(x)
-    assert programs.COUNTS.compiled - compiled == 1, "compiled again after the release"
+    return programs.COUNTS.compiled - compiled
+
+
+def test_a_release_drops_the_programs_of_a_mesh():
+    assert programs.install()
+    assert jax.device_count() > 1
+    assert _compiles_after_a_release(_over_the_mesh(jnp.arange(16.0))) == 1
+
+
+def test_a_release_keeps_one_device_programs_within_the_mapping_budget():
+    assert programs.install()
+    assert _compiles_after_a_release(jnp.arange(5.0)) == 0
+
+
+def test_past_the_mapping_budget_a_release_drops_one_device_programs_too(monkeypatch):
+    assert programs.install()
+    monkeypatch.setattr(scope, "mapping_budget", lambda: 0)
+    assert _compiles_after_a_release(jnp.arange(6.0)) == 1
 
 
 def test_a_program_with_a_host_callback_is_never_shared():

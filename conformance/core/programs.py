@@ -6,8 +6,14 @@ computation, the same train-state constructor of two trainers. Its persistent ca
 would deduplicate them by content, but through files it reads back and deserializes.
 :func:`install` deduplicates in memory instead: while a program's executable is live
 it is handed to every later compile of the same program (jax's own cache key: the
-program's text, its devices and compile options), until :func:`forget` drops them all,
-as :meth:`conformance.core.scope.Scope.release` does. Nothing is ever read back.
+program's text, its devices and compile options), until :func:`forget` drops it, as
+:meth:`conformance.core.scope.Scope.release` does. Nothing is ever read back.
+
+A release between groups of tests (another mesh, layout or family) need not drop the
+programs that run on one device: no mesh shapes them, so later groups compile the very
+same ones again (jax's one-operation programs, which ``jax.clear_caches`` forgets, and
+the checks' one-device references), and each holds only a few memory mappings.
+``forget(keep_one_device=True)`` keeps them.
 
 jax has no public hook for this: :func:`install` wraps the function jax 0.12 compiles
 every program through (``jax._src.compiler.compile_or_get_cached``), after checking its
@@ -21,6 +27,8 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 _PARAMETERS = (
     "backend",
@@ -44,7 +52,8 @@ class Counts:
 
 
 COUNTS = Counts()
-_LIVE: dict[str, Any] = {}
+_LIVE: dict[str, tuple[Any, bool]] = {}
+"""``{cache key: (executable, runs on one device)}``."""
 _STATE = {"installed": False, "refused": ""}
 
 
@@ -52,6 +61,11 @@ def _key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
     from jax._src import cache_key
 
     return cache_key.get(computation, devices, options, backend)
+
+
+def _one_device(devices: Any) -> bool:
+    """Whether ``devices`` (jax passes an array of them, or ``None``) is a single device."""
+    return devices is not None and np.size(devices) == 1
 
 
 def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -70,12 +84,13 @@ def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
         if host_callbacks:
             COUNTS.compiled += 1
             return compile_fn(*args, executable_devices, pgle_profiler)
-        if (executable := _LIVE.get(key)) is not None:
+        if (live := _LIVE.get(key)) is not None:
             COUNTS.reused += 1
-            return executable
+            return live[0]
         COUNTS.compiled += 1
-        _LIVE[key] = compile_fn(*args, executable_devices, pgle_profiler)
-        return _LIVE[key]
+        executable = compile_fn(*args, executable_devices, pgle_profiler)
+        _LIVE[key] = (executable, _one_device(devices))
+        return executable
 
     return compile_or_reuse
 
@@ -99,9 +114,13 @@ def install() -> bool:
     return True
 
 
-def forget() -> None:
-    """Drop every live executable this module holds; the next compile of each compiles."""
-    _LIVE.clear()
+def forget(*, keep_one_device: bool = False) -> None:
+    """Drop the live executables this module holds; the next compile of each compiles.
+
+    With ``keep_one_device``, programs that run on a single device stay live.
+    """
+    for key in [k for k, (_, one) in _LIVE.items() if not (keep_one_device and one)]:
+        del _LIVE[key]
 
 
 def summary() -> str:

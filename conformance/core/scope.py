@@ -85,15 +85,18 @@ class Scope:
     def release(self, *, keep_results: bool = False) -> None:
         """Drop everything built in this scope and every executable held for reuse.
 
-        That is jax's caches and :mod:`~conformance.core.programs`' live executables.
-        jax's caches are process-wide, so programs compiled outside this scope are
-        recompiled on their next call; nothing is lost but time. With ``keep_results``,
-        the values of :func:`kept` factories stay.
+        That is jax's caches and :mod:`~conformance.core.programs`' live executables,
+        but for those that run on one device while the process holds fewer memory
+        mappings than :func:`mapping_budget`: no mesh shapes them, so later scopes run
+        the same ones. jax's caches are process-wide, so programs compiled outside this
+        scope are recompiled on their next call; nothing is lost but time. With
+        ``keep_results``, the values of :func:`kept` factories stay.
         """
         self._memo.clear()
         if not keep_results:
             self._results.clear()
-        programs.forget()
+        budget, mappings = mapping_budget(), mapping_count()
+        programs.forget(keep_one_device=budget is None or (mappings or 0) < budget)
         jax.clear_caches()
         gc.collect()
 
@@ -142,6 +145,15 @@ def mapping_limit() -> int | None:
         return int(Path("/proc/sys/vm/max_map_count").read_text())
     except (OSError, ValueError):
         return None
+
+
+def mapping_budget() -> int | None:
+    """Half the kernel's limit on memory mappings (Linux), or ``None`` where unknown.
+
+    Past it, releases drop every compiled program, however small.
+    """
+    limit = mapping_limit()
+    return None if limit is None else limit // 2
 
 
 def _memoised[**P, R](factory: Callable[P, R], result: bool) -> Callable[P, R]:

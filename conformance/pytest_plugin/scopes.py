@@ -20,15 +20,15 @@ class ScopePerGroup:
     """Releases compiled programs when the next test belongs to another group, or sooner.
 
     A group whose programs alone pass half of the kernel's mapping limit
-    (``vm.max_map_count``) is released early, between two of its tests: its later tests
-    recompile what they share, and the run does not crash. Host results
+    (``vm.max_map_count``: :func:`~conformance.core.scope.mapping_budget`) is released
+    early, between two of its tests: its later tests recompile what they share, and the
+    run does not crash. Host results
     (:func:`~conformance.core.scope.kept`, such as one-device references) stay while the
     family and layout stay, so each is computed once per family and layout.
     """
 
     def __init__(self) -> None:
-        limit = scope.mapping_limit()
-        self.budget = None if limit is None else limit // 2
+        self.budget = scope.mapping_budget()
         self.releases = 0
         self.early = 0
         self.peak = 0
