@@ -57,17 +57,23 @@ class Golden:
         """Assert that ``data``, normalised, equals the golden (or write it when updating)."""
         if self.written_elsewhere:
             return
-        if not self.update:
-            try:
-                load(self.path)
-            except GoldenError as err:
-                pytest.fail(
-                    f"{err}\n  regenerate with: {self.regenerate} and "
-                    "review the diff before committing",
-                    pytrace=False,
-                )
+        if not self.update and (problem := _unreadable(self.path)):
+            pytest.fail(
+                f"{problem}\n  regenerate with: {self.regenerate} and "
+                "review the diff before committing",
+                pytrace=False,
+            )
         index = self.path.relative_to(self.root).with_suffix("").as_posix()
         assert self._snapshot(name=index) == data
+
+
+def _unreadable(path: Path) -> str:
+    """Why the golden at ``path`` cannot be used (missing or corrupted), or ``""``."""
+    try:
+        load(path)
+    except GoldenError as err:
+        return str(err)
+    return ""
 
 
 class GoldenExtension(SingleFileSnapshotExtension):
