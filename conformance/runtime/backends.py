@@ -103,6 +103,8 @@ class LinenRunner:
         bridges = LinenBridges()
         with bridges.watching():
             variables = jax.eval_shape(self.module.init, jax.random.key(0), *example)
+        self.abstract_variables: Mapping[str, Any] = variables
+        """What ``init`` returns, abstractly (boxed), by collection: traced once, here."""
         self.built: Built = bridges.built(module)
         """The model class built and the bridge modules it ran (``ToLinen``)."""
         boxed = variables["params"]
@@ -187,6 +189,8 @@ class NnxRunner:
         self.quant = quant
         self.provider = _provider(family, config, quant)
         abstract = nnx.eval_shape(lambda: self.build(0))
+        self.abstract: nnx.Module = abstract
+        """The model :meth:`build` makes, abstractly: traced once, here."""
         self.built: Built = nnx_built(abstract)
         """The model class built and the bridge modules it holds (``ToNNX``)."""
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
