@@ -55,8 +55,7 @@ class LinenAqt:
             family, family.aqt_config(config, "convert")
         )
         self.serve_runner: LinenRunner = linen_runner(family, family.aqt_config(config, "serve"))
-        example = model_inputs(family.batch(config, 1))
-        boxed = jax.eval_shape(self.serve_runner.module.init, jax.random.key(0), *example)
+        boxed = self.serve_runner.abstract_variables
         if not boxed.get(COLLECTION):
             raise AqtError(
                 f"{family.name}: Linen init in AQT serve mode created no {COLLECTION!r} collection"
@@ -109,7 +108,7 @@ class NnxAqt:
         self.kind = frozen_variable_type()
         self.convert_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "convert"))
         self.serve_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "serve"))
-        frozen = nnx.state(nnx.eval_shape(lambda: self.serve_runner.build(0)), self.kind)
+        frozen = nnx.state(self.serve_runner.abstract, self.kind)
         self._vars = flatten_state(frozen)
         if not self._vars:
             raise AqtError(

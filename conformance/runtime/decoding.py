@@ -175,7 +175,7 @@ class NnxDecoder(_Decoder):
     def __init__(self, family: Family, config: Any, rows: int) -> None:
         self.family, self.config, self.rows = family, config, rows
         self.runner = nnx_runner(family, _serving(family, config))
-        if not callable(getattr(nnx.eval_shape(lambda: self.runner.build(0)), "init_cache", None)):
+        if not callable(getattr(self.runner.abstract, "init_cache", None)):
             raise DecodeError(f"{family.name}: the NNX module has no init_cache(batch_size)")
         abstract = nnx.eval_shape(lambda: self._with_cache(0))
         self.graphdef, _, cache, _ = nnx.split(abstract, nnx.Param, nnx.Cache, ...)
