@@ -43,10 +43,15 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 constraints-maxtext-%.txt:
 	@echo "error: MAXTEXT=$* is not a release this harness supports (constraints-maxtext-<release>.txt: $(patsubst constraints-maxtext-%.txt,%,$(wildcard constraints-maxtext-*.txt)))" >&2; exit 2
 
-## The main job: the built-in families' parity run in one process, a progress line per
-## family x check, then the agreement matrix. Exit 5 (nothing selected) is a failure too.
+## WORKERS: how many processes `make parity` runs the suite in (pytest-xdist, each group of
+## tests on one worker); default: one per core, at most 4. 1 runs it in this process.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+WORKERS_ARG := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS))
+
+## The main job: the built-in families' parity run, a progress line per family x check,
+## then the agreement matrix. Exit 5 (nothing selected) is a failure too.
 parity: $(STAMP)
-	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(REPORT_ARG) $(ARGS)
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(WORKERS_ARG) $(REPORT_ARG) $(ARGS)
 
 ## The parity run, then the harness's own tests (units and the planted-fault catalogue,
 ## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).

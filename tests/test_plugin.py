@@ -322,3 +322,51 @@ def test_goldens_of_another_release_are_not_unused(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("{}\n")
     assert unused_goldens(config, tmp_path, {mine}, {"maxtext-gpt3"}) == [stale]
+
+
+COMPILING_TEST = """
+import jax
+
+
+def test_compiles(family):
+    assert float(jax.jit(lambda x: x * 2.0)(1.5)) == 3.0
+"""
+
+
+def test_an_xdist_run_reports_as_one_process_does(project):
+    pytester = project()
+    pytester.makepyfile(test_compiling=COMPILING_TEST)
+    pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
+    stray = next(pytester.path.rglob("*.json")).with_name("gone.json")
+    stray.write_text("{}")
+    args = ("--conformance-family", "gpt3", "--conformance-progress", "-q", "-n", "2")
+    result = pytester.runpytest(*args, "--dist", "loadgroup")
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*conformance: tier default*",
+            "*conformance: 3 tests to run on xdist workers",
+            "*] gpt3 * shape * 1 passed (* s on gw*)",
+            "*programs compiled, * distinct*(summed over 2 workers)*",
+            "*unused goldens*",
+            f"*{stray.name}",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "added"),
+    [
+        (["--tier", "smoke"], []),
+        (["-n", "2"], ["--dist", "loadgroup"]),
+        (["-n2"], ["--dist", "loadgroup"]),
+        (["--numprocesses=auto"], ["--dist", "loadgroup"]),
+        (["-n", "2", "--dist", "load"], []),
+        (["-n", "2", "--dist=worksteal"], []),
+    ],
+)
+def test_main_keeps_a_group_on_one_worker_unless_told_otherwise(argv, added):
+    from conformance.cli.run import whole_groups
+
+    assert whole_groups(argv) == added

@@ -82,3 +82,10 @@ def test_the_summary_counts_distinct_programs():
     assert programs.install()
     assert "programs compiled" in programs.summary()
     assert "distinct" in programs.summary()
+
+
+def test_counts_of_two_processes_add_up_and_share_their_distinct_programs():
+    first = programs.Counts(compiled=3, reused=1, distinct={"a", "b", "c"})
+    second = programs.Counts(compiled=2, reused=4, distinct={"b", "d"})
+    first.add(second.as_data())
+    assert (first.compiled, first.reused, first.distinct) == (5, 5, {"a", "b", "c", "d"})

@@ -58,4 +58,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
     args = ["--pyargs", "conformance.suite", "-q", "-p", "no:cacheprovider", *quiet]
     args.append("--conformance-progress")
-    return int(pytest.main([*args, *expand(argv)]))
+    return int(pytest.main([*args, *expand(argv), *whole_groups(argv)]))
+
+
+def whole_groups(argv: Sequence[str]) -> list[str]:
+    """``--dist loadgroup`` when pytest-xdist workers are asked for and no ``--dist`` is.
+
+    A group's tests share their compiled programs; on one worker each compiles once.
+    """
+    workers = any(
+        a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in argv
+    )
+    if workers and not any(a == "--dist" or a.startswith(("--dist=", "-d")) for a in argv):
+        return ["--dist", "loadgroup"]
+    return []

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,16 @@ class Counts:
     compiled: int = 0
     reused: int = 0
     distinct: set[str] = dataclasses.field(default_factory=set)
+
+    def as_data(self) -> dict[str, Any]:
+        """The counts as plain data, for another process to :meth:`add`."""
+        return {"compiled": self.compiled, "reused": self.reused, "distinct": sorted(self.distinct)}
+
+    def add(self, data: Mapping[str, Any]) -> None:
+        """Count another process's :meth:`as_data` in: a program both compiled is one distinct."""
+        self.compiled += data["compiled"]
+        self.reused += data["reused"]
+        self.distinct.update(data["distinct"])
 
 
 COUNTS = Counts()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from conformance.core import distributed
+from conformance.pytest_plugin import workers
 from conformance.pytest_plugin.goldens import unused_goldens
 from conformance.pytest_plugin.session import settings
 from conformance.report.model import matrix_rows
@@ -40,9 +41,20 @@ class SessionReport:
         outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
         self.results[tuple(key)][outcome] += 1
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """On the xdist controller, take the goldens a finished worker's collection claimed."""
+        self.config.stash[CLAIMED].update(map(Path, workers.received(node, "claimed", [])))
+
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """Fail the session if a golden is unused (never on an xdist worker)."""
-        if hasattr(self.config, "workerinput") or session.exitstatus not in (0, 1):
+        """Fail the session if a golden is unused; an xdist worker hands its claims over.
+
+        Every worker collects the whole run, so any one worker's claims are all of them.
+        """
+        if workers.is_worker(self.config):
+            workers.send(self.config, "claimed", sorted(map(str, self.config.stash[CLAIMED])))
+            return
+        if session.exitstatus not in (0, 1):
             return
         run = settings(self.config)
         families = {f.name for f in run.families}

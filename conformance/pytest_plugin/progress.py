@@ -1,7 +1,10 @@
 """What a run reports as it goes: progress lines, and how much of it was compilation.
 
 Both are pytest plugins that :mod:`conformance.pytest_plugin.session` registers; neither knows about
-families or checks beyond the label it is given for each test.
+families or checks beyond the label it is given for each test. Under pytest-xdist
+(``-n N``) the workers count and label, and the controller prints: the workers' counts
+reach it when they finish (:mod:`conformance.pytest_plugin.workers`), each test's label
+with its reports.
 """
 
 from __future__ import annotations
@@ -15,11 +18,14 @@ import jax
 import pytest
 
 from conformance.core import programs
+from conformance.pytest_plugin import workers
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """jax's event for one program made executable (compiled, or read from the cache)."""
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """jax's event for one executable read back from the persistent compilation cache."""
+LABEL = "progress"
+"""The user property a worker's test carries its progress label in."""
 
 
 class CompileClock:
@@ -31,6 +37,7 @@ class CompileClock:
 
     def __init__(self) -> None:
         self.count, self.hits, self.seconds = 0, 0, 0.0
+        self.workers = 0
         self.wall = time.perf_counter()
         self.start: tuple[int, int, float] = (0, 0, 0.0)
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
@@ -62,13 +69,39 @@ class CompileClock:
             ]
         return (yield)
 
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """On an xdist worker, hand what this process compiled to the controller."""
+        counts = {
+            "xla": [self.count, self.hits, self.seconds],
+            "programs": programs.COUNTS.as_data(),
+        }
+        workers.send(session.config, "compiles", counts)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """On the xdist controller, add what a finished worker compiled to the run's counts."""
+        if (counts := workers.received(node, "compiles")) is not None:
+            count, hits, seconds = counts["xla"]
+            self.count, self.hits, self.seconds = (
+                self.count + count,
+                self.hits + hits,
+                self.seconds + seconds,
+            )
+            self.workers += 1
+            programs.COUNTS.add(counts["programs"])
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """Programs compiled (and how many distinct), and the share of the run it took."""
+        """Programs compiled (and how many distinct), and the share of the run it took.
+
+        Under xdist the counts and seconds are the workers' sums (a program two workers
+        compiled is one distinct program compiled twice).
+        """
         if self.count:
             wall = time.perf_counter() - self.wall
+            summed = f" (summed over {self.workers} workers)" if self.workers else ""
             terminalreporter.write_line(
                 f"{programs.summary()}; XLA made {self.count} executable "
-                f"({self.hits} read from the persistent cache) in {self.seconds:.1f} s "
+                f"({self.hits} read from the persistent cache) in {self.seconds:.1f} s{summed} "
                 f"of {wall:.1f} s wall"
             )
 
@@ -96,7 +129,14 @@ class Progress:
         self.writer = session.config.pluginmanager.get_plugin("terminalreporter")
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        """Remember the tests that will run, and say what the run covers."""
+        """Remember the tests that will run, and say what the run covers.
+
+        On an xdist worker, label each test instead, for the controller's lines.
+        """
+        if workers.is_worker(session.config):
+            for item in session.items:
+                item.user_properties.append((LABEL, self.label(item)))
+            return
         self.items = {item.nodeid: item for item in session.items}
         for line in self.header:
             self.writer.write_line(line)
@@ -140,3 +180,71 @@ class Progress:
         outcomes = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
         self.writer.write_line(f"{outcomes} ({time.perf_counter() - self.started:.1f} s)")
         self.line, self.counts = None, defaultdict(int)
+
+
+class ControllerProgress:
+    """:class:`Progress` on a pytest-xdist controller: a whole line per run of one label.
+
+    Each worker runs a group of tests in a row, but their reports interleave, so a line
+    is written only when it closes (the worker moved to another label, or finished) and
+    gives the seconds its tests took on their worker.
+    """
+
+    def __init__(self, header: Sequence[str]) -> None:
+        self.header = list(header)
+        self.writer: Any = None
+        self.total = 0
+        self.done = 0
+        self.open: dict[str, tuple[str, dict[str, int], float]] = {}
+        """``{worker: (label, outcome counts, seconds)}``, the line each worker has open."""
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Find the terminal to write to."""
+        self.writer = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: Sequence[str]) -> None:
+        """Say what the run covers once the first worker has collected it."""
+        if self.total:
+            return
+        self.total = len(ids)
+        for line in self.header:
+            self.writer.write_line(line)
+        self.writer.write_line(f"conformance: {self.total} tests to run on xdist workers")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
+        """No per-test character: the progress line says it all."""
+        if report.when == "call" or (report.when == "setup" and report.skipped):
+            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+            return outcome, "", ""
+        return None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Count a worker's test under its label, closing the worker's previous line."""
+        label = dict(report.user_properties).get(LABEL)
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if label is None or worker is None:
+            return
+        if (line := self.open.get(worker.id)) is None or line[0] != label:
+            self._close(worker.id)
+            line = self.open[worker.id] = (label, defaultdict(int), 0.0)
+        name, counts, seconds = line
+        self.open[worker.id] = (name, counts, seconds + report.duration)
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            counts["xfailed" if hasattr(report, "wasxfail") else report.outcome] += 1
+            self.done += 1
+
+    def pytest_sessionfinish(self) -> None:
+        """Close every worker's last line."""
+        for worker in list(self.open):
+            self._close(worker)
+
+    def _close(self, worker: str) -> None:
+        if (line := self.open.pop(worker, None)) is None:
+            return
+        label, counts, seconds = line
+        outcomes = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        percent = 100 * self.done // max(self.total, 1)
+        where = f"[{self.done:>4}/{self.total} {percent:>3}%]"
+        self.writer.write_line(f"{where} {label} {outcomes} ({seconds:.1f} s on {worker})")

@@ -26,7 +26,7 @@ from conformance.core.environment import (
 )
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
-from conformance.pytest_plugin import options
+from conformance.pytest_plugin import options, workers
 from conformance.pytest_plugin.tiers import Tier
 from conformance.runtime.provenance import Built
 from conformance.runtime.recorded import MissingReference, load
@@ -201,6 +201,10 @@ def configure(config: pytest.Config, tier: Tier) -> None:
     """
     configure_host_platform()
     cluster = _cluster(config)
+    if cluster is not None and (workers.is_controller(config) or workers.is_worker(config)):
+        raise pytest.UsageError(
+            "a multi-controller run takes one process per host: drop -n (pytest-xdist workers)"
+        )
     if cluster is not None:
         try:
             distributed.initialize(cluster)
@@ -234,7 +238,7 @@ def _register(config: pytest.Config, run: Settings) -> None:
     from conformance.pytest_plugin import suite
     from conformance.pytest_plugin.matrix import SessionReport
     from conformance.pytest_plugin.multicontroller import MultiController
-    from conformance.pytest_plugin.progress import CompileClock, Progress
+    from conformance.pytest_plugin.progress import CompileClock, ControllerProgress, Progress
     from conformance.pytest_plugin.scopes import ScopePerGroup
 
     manager = config.pluginmanager
@@ -256,5 +260,10 @@ def _register(config: pytest.Config, run: Settings) -> None:
         collector = ReportCollector(Path(directory).resolve(), head, command, writes=writes)
         manager.register(collector, "conformance-report-files")
     if options.value(config, "progress"):
-        lines = run.header() if config.option.verbose < 0 else []
-        manager.register(Progress(lines, suite.progress_label), "conformance-progress")
+        lines = run.header() if config.option.verbose < 0 and not workers.is_worker(config) else []
+        progress = (
+            ControllerProgress(lines)
+            if workers.is_controller(config)
+            else Progress(lines, suite.progress_label)
+        )
+        manager.register(progress, "conformance-progress")

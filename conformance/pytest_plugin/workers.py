@@ -1,0 +1,38 @@
+"""What a pytest-xdist worker hands its controller when it finishes.
+
+Under ``-n N`` the tests run in worker processes; the controller only sees their
+reports. Facts of a whole run that reports do not carry (the programs a worker
+compiled, the goldens its collection claimed) travel in xdist's ``workeroutput``: a
+worker :func:`send` s them at the end of its session, and the controller reads them
+with :func:`received` when xdist tells it the worker is done (``pytest_testnodedown``).
+Values must be plain data (numbers, strings, lists, dicts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+_PREFIX = "conformance-"
+
+
+def is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker."""
+    return hasattr(config, "workerinput")
+
+
+def is_controller(config: pytest.Config) -> bool:
+    """Whether this process hands tests to pytest-xdist workers and runs none itself."""
+    return not is_worker(config) and bool(getattr(config.option, "numprocesses", None))
+
+
+def send(config: pytest.Config, name: str, value: Any) -> None:
+    """On a worker, hand ``value`` to the controller under ``name`` (elsewhere, nothing)."""
+    if is_worker(config):
+        config.workeroutput[_PREFIX + name] = value  # type: ignore[attr-defined]
+
+
+def received(node: Any, name: str, default: Any = None) -> Any:
+    """What worker ``node`` sent under ``name`` (``default`` if it sent nothing, or died)."""
+    return getattr(node, "workeroutput", {}).get(_PREFIX + name, default)
