@@ -370,3 +370,25 @@ def test_main_keeps_a_group_on_one_worker_unless_told_otherwise(argv, added):
     from conformance.cli.run import whole_groups
 
     assert whole_groups(argv) == added
+
+
+GROUPED_TEST = """
+import pytest
+
+
+@pytest.mark.xdist_group("together")
+@pytest.mark.parametrize("i", range(6))
+def test_grouped(family, i):
+    pass
+"""
+
+
+def test_a_group_runs_on_one_xdist_worker(pytester):
+    pytester.makeini("[pytest]\nconformance_goldens = goldens\n")
+    pytester.makepyfile(test_grouped=GROUPED_TEST)
+    args = ("--conformance-family", "gpt3", "-n", "2", "--dist", "loadgroup", "-v")
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=6)
+    lines = [line for line in result.stdout.lines if "PASSED" in line]
+    assert len({line.split()[0] for line in lines}) == 1, lines
+    assert all(line.rstrip().endswith("@together") for line in lines), lines

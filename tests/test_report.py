@@ -262,3 +262,14 @@ def test_a_family_with_a_bridged_side_is_labelled_in_the_matrix():
     results = {("zoo-model", "forward"): {"passed": 2}, ("gpt3", "forward"): {"passed": 2}}
     rows = matrix_rows(results, {"zoo-model": ["Linen"]})
     assert [row[0] for row in rows] == ["family", "gpt3", "zoo-model (Linen bridged)"]
+
+
+def test_a_test_is_reported_under_its_node_id_without_its_xdist_group():
+    from conformance.report.model import plain_nodeid
+
+    grouped = (
+        "conformance/suite/test_forward.py::test_forward[gpt3-fsdp8-loop-f32]@gpt3/False/fsdp8"
+    )
+    assert plain_nodeid(grouped) == grouped.split("@")[0]
+    assert plain_nodeid("tests/test_a.py::test_b[x@y]") == "tests/test_a.py::test_b[x@y]"
+    assert plain_nodeid("tests/test_a.py::test_b@g") == "tests/test_a.py::test_b"

@@ -245,6 +245,8 @@ def _register(config: pytest.Config, run: Settings) -> None:
     if distributed.is_multiprocess():
         manager.register(MultiController(), "conformance-processes")
     manager.register(suite, "conformance-suite")
+    if workers.is_worker(config):
+        manager.register(workers.WholeGroups(), "conformance-whole-groups")
     manager.register(SessionReport(config), "conformance-report")
     manager.register(ScopePerGroup(), "conformance-scopes")
     manager.register(CompileClock(), "conformance-compiles")

@@ -36,3 +36,30 @@ def send(config: pytest.Config, name: str, value: Any) -> None:
 def received(node: Any, name: str, default: Any = None) -> Any:
     """What worker ``node`` sent under ``name`` (``default`` if it sent nothing, or died)."""
     return getattr(node, "workeroutput", {}).get(_PREFIX + name, default)
+
+
+class WholeGroups:
+    """Keep each ``xdist_group`` on one worker, as ``--dist loadgroup`` promises.
+
+    pytest-xdist 3.8 tells its controller a test's group by appending ``@group`` to the
+    node id it reports (in ``item._nodeid``); pytest 9.2 keeps node ids elsewhere
+    (``item._id``), so the suffix is lost and the group's tests are spread over the
+    workers (pytest-xdist issue 1386). On a worker, after xdist's own hook, this appends
+    the suffix where it is missing; where xdist's own took effect, it does nothing.
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[Any]) -> None:
+        """Append each grouped test's ``@group`` to its node id, where xdist could not."""
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            names = {
+                str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                for mark in item.iter_markers("xdist_group")
+            }
+            suffix = "@" + "_".join(sorted(names))
+            if names and not item.nodeid.endswith(suffix):
+                item._id = NodeId.parse(item.nodeid + suffix)

@@ -24,6 +24,7 @@ from conformance.report.model import (
     case_of,
     costs_json,
     measurement_json,
+    plain_nodeid,
 )
 
 _MEASURED = pytest.StashKey[list[records.Record]]()
@@ -86,11 +87,12 @@ class ReportCollector:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Fold one phase of a test into its record."""
-        record = self.tests.setdefault(report.nodeid, RecordedTest(report.nodeid))
+        nodeid = plain_nodeid(report.nodeid)
+        record = self.tests.setdefault(nodeid, RecordedTest(nodeid))
         key = dict(report.user_properties).get("conformance")
         if key is not None:
             record.family, record.check = key
-            record.case = case_of(report.nodeid, record.family)
+            record.case = case_of(nodeid, record.family)
         record.duration_s += report.duration
         record.measurements += getattr(report, "conformance_measurements", [])
         record.costs += getattr(report, "conformance_costs", [])

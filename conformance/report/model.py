@@ -108,6 +108,12 @@ class RecordedTest:
         return {**dataclasses.asdict(self), "duration_s": round(self.duration_s, 3)}
 
 
+def plain_nodeid(nodeid: str) -> str:
+    """``nodeid`` without the ``@group`` that pytest-xdist's ``--dist loadgroup`` appends."""
+    at = nodeid.rfind("@")
+    return nodeid[:at] if at > nodeid.rfind("]") and "::" in nodeid[:at] else nodeid
+
+
 def case_of(nodeid: str, family: str | None) -> str | None:
     """The parameter id of a suite test, without its family: ``data2-fsdp2-tensor2-scan``."""
     if "[" not in nodeid:
