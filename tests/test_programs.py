@@ -59,21 +59,6 @@ def test_past_the_mapping_budget_a_release_drops_one_device_programs_too(monkeyp
     assert _compiles_after_a_release(jnp.arange(6.0)) == 1
 
 
-def test_a_release_drops_one_device_programs_when_the_next_group_would_not_fit(monkeypatch):
-    assert programs.install()
-    monkeypatch.setattr(scope, "mapping_budget", lambda: 1000)
-    monkeypatch.setattr(scope, "mapping_count", lambda: 900)
-    x = jnp.arange(9.0)
-    for headroom, compiles in ((99, 0), (100, 1)):
-        first, second = _twin_jits()
-        with Scope() as group:
-            first(x)
-            group.release(headroom=headroom)
-            compiled = programs.COUNTS.compiled
-            second(x)
-            assert programs.COUNTS.compiled - compiled == compiles
-
-
 def test_a_program_with_a_host_callback_is_never_shared():
     assert programs.install()
     seen = []

@@ -82,23 +82,21 @@ class Scope:
             memo[key] = factory(*args, **kwargs)
         return memo[key]
 
-    def release(self, *, keep_results: bool = False, headroom: int = 0) -> None:
+    def release(self, *, keep_results: bool = False) -> None:
         """Drop everything built in this scope and every executable held for reuse.
 
         That is jax's caches and :mod:`~conformance.core.programs`' live executables,
         but for those that run on one device while the process holds fewer memory
-        mappings than :func:`mapping_budget` less ``headroom`` (what the next scope is
-        expected to add): no mesh shapes them, so later scopes run the same ones. jax's
-        caches are process-wide, so programs compiled outside this scope are recompiled
-        on their next call; nothing is lost but time. With ``keep_results``, the values
-        of :func:`kept` factories stay.
+        mappings than :func:`mapping_budget`: no mesh shapes them, so later scopes run
+        the same ones. jax's caches are process-wide, so programs compiled outside this
+        scope are recompiled on their next call; nothing is lost but time. With
+        ``keep_results``, the values of :func:`kept` factories stay.
         """
         self._memo.clear()
         if not keep_results:
             self._results.clear()
         budget, mappings = mapping_budget(), mapping_count()
-        keep = budget is None or (mappings or 0) + headroom < budget
-        programs.forget(keep_one_device=keep)
+        programs.forget(keep_one_device=budget is None or (mappings or 0) < budget)
         jax.clear_caches()
         gc.collect()
 
@@ -127,9 +125,9 @@ def current() -> Scope:
     return _ACTIVE.get()
 
 
-def release(*, keep_results: bool = False, headroom: int = 0) -> None:
+def release(*, keep_results: bool = False) -> None:
     """Release the innermost active scope: see :meth:`Scope.release`."""
-    current().release(keep_results=keep_results, headroom=headroom)
+    current().release(keep_results=keep_results)
 
 
 def mapping_count() -> int | None:

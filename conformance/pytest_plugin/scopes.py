@@ -22,27 +22,16 @@ class ScopePerGroup:
     A group whose programs alone pass half of the kernel's mapping limit
     (``vm.max_map_count``: :func:`~conformance.core.scope.mapping_budget`) is released
     early, between two of its tests: its later tests recompile what they share, and the
-    run does not crash. A release keeps the programs that run on one device only while
-    the largest growth a group has shown still fits under that budget, so that keeping
-    them does not push the next group over it. Host results
+    run does not crash. Host results
     (:func:`~conformance.core.scope.kept`, such as one-device references) stay while the
     family and layout stay, so each is computed once per family and layout.
     """
 
     def __init__(self) -> None:
         self.budget = scope.mapping_budget()
-        self.started: int | None = None
-        """The mapping count when the current group started."""
-        self.growth = 0
-        """The most mappings one group has added."""
         self.releases = 0
         self.early = 0
         self.peak = 0
-
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        """Note the mapping count the run's first group starts from."""
-        if self.started is None:
-            self.started = scope.mapping_count() or 0
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Any:
@@ -56,10 +45,8 @@ class ScopePerGroup:
             following = group_of(nextitem)
             if group is not None and group != following:
                 self.releases += 1
-                self.growth = max(self.growth, mappings - (self.started or 0))
                 same_layout = following is not None and following[:2] == group[:2]
-                scope.release(keep_results=same_layout, headroom=self.growth)
-                self.started = scope.mapping_count() or 0
+                scope.release(keep_results=same_layout)
             elif self.budget is not None and mappings > self.budget:
                 self.early += 1
                 scope.release(keep_results=True)
