@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from conformance.core import scope
+from conformance.pytest_plugin import workers
 from conformance.pytest_plugin.plan import group_of
 
 
@@ -51,8 +52,23 @@ class ScopePerGroup:
                 self.early += 1
                 scope.release(keep_results=True)
 
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """On an xdist worker, hand its releases and peak to the controller."""
+        workers.send(session.config, "releases", [self.releases, self.early, self.peak])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """On the xdist controller, count a finished worker's releases and peak in."""
+        if (counts := workers.received(node, "releases")) is not None:
+            releases, early, peak = counts
+            self.releases, self.early = self.releases + releases, self.early + early
+            self.peak = max(self.peak, peak)
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """How often programs were released and the peak memory-mapping count seen."""
+        """How often programs were released and the peak memory-mapping count seen.
+
+        Under xdist: the releases of every worker, and the highest peak of any one.
+        """
         if self.releases or self.early:
             limit = scope.mapping_limit()
             terminalreporter.write_line(
