@@ -55,6 +55,8 @@ parity: $(STAMP)
 
 ## The parity run, then the harness's own tests (units and the planted-fault catalogue,
 ## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).
+## Both run in one process: CI runs this beside the MaxText processes on the same cores,
+## where workers, compiling some programs twice, would cost its CPU time.
 test: $(STAMP)
 	@status=0; \
 	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(REPORT_ARG) $(ARGS) || status=$$?; \
