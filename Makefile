@@ -43,8 +43,9 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 constraints-maxtext-%.txt:
 	@echo "error: MAXTEXT=$* is not a release this harness supports (constraints-maxtext-<release>.txt: $(patsubst constraints-maxtext-%.txt,%,$(wildcard constraints-maxtext-*.txt)))" >&2; exit 2
 
-## WORKERS: how many processes `make parity` runs the suite in (pytest-xdist, each group of
-## tests on one worker); default: one per core, at most 4. 1 runs it in this process.
+## WORKERS: how many processes `make parity` and `make test` run on (pytest-xdist; the
+## suite keeps each group of tests on one worker); default: one per core, at most 4.
+## 1 runs in this process, as CI does (.ci/run).
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 WORKERS_ARG := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS))
 
@@ -55,12 +56,11 @@ parity: $(STAMP)
 
 ## The parity run, then the harness's own tests (units and the planted-fault catalogue,
 ## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).
-## Both run in one process: CI runs this beside the MaxText processes on the same cores,
-## where workers, compiling some programs twice, would cost its CPU time.
 test: $(STAMP)
 	@status=0; \
-	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(REPORT_ARG) $(ARGS) || status=$$?; \
-	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) \
+	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(WORKERS_ARG) $(REPORT_ARG) \
+	  $(ARGS) || status=$$?; \
+	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) $(WORKERS_ARG) \
 	  $(if $(REPORT),--conformance-report $(abspath $(REPORT))) || status=$$?; \
 	exit $$status
 
