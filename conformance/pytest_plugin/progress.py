@@ -106,7 +106,37 @@ class CompileClock:
             )
 
 
-class Progress:
+class _Lines:
+    """What both kinds of progress lines share: the terminal, and no per-test character."""
+
+    writer: Any = None
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Find the terminal to write to."""
+        self.writer = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
+        """No per-test character: the progress line says it all."""
+        if report.when == "call" or (report.when == "setup" and report.skipped):
+            return _outcome(report), "", ""
+        return None
+
+
+def _outcome(report: pytest.TestReport) -> str:
+    return "xfailed" if hasattr(report, "wasxfail") else report.outcome
+
+
+def _decides(report: pytest.TestReport) -> bool:
+    """Whether this phase's report is the one that gives its test's outcome."""
+    return report.when == "call" or (report.when == "setup" and not report.passed)
+
+
+def _outcomes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+
+
+class Progress(_Lines):
     """One line per run of consecutive tests with the same label, instead of a character each.
 
     ``label(item)`` names what a test belongs to (for the suite: family, layout, mesh
@@ -117,16 +147,11 @@ class Progress:
     def __init__(self, header: Sequence[str], label: Callable[[pytest.Item], str]) -> None:
         self.header = list(header)
         self.label = label
-        self.writer: Any = None
         self.items: dict[str, pytest.Item] = {}
         self.done = 0
         self.line: str | None = None
         self.counts: dict[str, int] = defaultdict(int)
         self.started = 0.0
-
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        """Find the terminal to write to."""
-        self.writer = session.config.pluginmanager.get_plugin("terminalreporter")
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """Remember the tests that will run, and say what the run covers.
@@ -141,14 +166,6 @@ class Progress:
         for line in self.header:
             self.writer.write_line(line)
         self.writer.write_line(f"conformance: {len(self.items)} tests to run")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
-        """No per-test character: the progress line says it all."""
-        if report.when == "call" or (report.when == "setup" and report.skipped):
-            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-            return outcome, "", ""
-        return None
 
     def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
         """Open a line when the label changes."""
@@ -165,9 +182,8 @@ class Progress:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count the outcome of each test on the open line."""
-        if report.when == "call" or (report.when == "setup" and not report.passed):
-            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-            self.counts[outcome] += 1
+        if _decides(report):
+            self.counts[_outcome(report)] += 1
             self.done += 1
 
     def pytest_sessionfinish(self) -> None:
@@ -177,12 +193,12 @@ class Progress:
     def _close(self) -> None:
         if self.line is None:
             return
-        outcomes = ", ".join(f"{n} {k}" for k, n in sorted(self.counts.items()))
-        self.writer.write_line(f"{outcomes} ({time.perf_counter() - self.started:.1f} s)")
+        seconds = time.perf_counter() - self.started
+        self.writer.write_line(f"{_outcomes(self.counts)} ({seconds:.1f} s)")
         self.line, self.counts = None, defaultdict(int)
 
 
-class ControllerProgress:
+class ControllerProgress(_Lines):
     """:class:`Progress` on a pytest-xdist controller: a whole line per run of one label.
 
     Each worker runs a group of tests in a row, but their reports interleave, so a line
@@ -192,15 +208,10 @@ class ControllerProgress:
 
     def __init__(self, header: Sequence[str]) -> None:
         self.header = list(header)
-        self.writer: Any = None
         self.total = 0
         self.done = 0
         self.open: dict[str, tuple[str, dict[str, int], float]] = {}
         """``{worker: (label, outcome counts, seconds)}``, the line each worker has open."""
-
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        """Find the terminal to write to."""
-        self.writer = session.config.pluginmanager.get_plugin("terminalreporter")
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Sequence[str]) -> None:
@@ -211,14 +222,6 @@ class ControllerProgress:
         for line in self.header:
             self.writer.write_line(line)
         self.writer.write_line(f"conformance: {self.total} tests to run on xdist workers")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
-        """No per-test character: the progress line says it all."""
-        if report.when == "call" or (report.when == "setup" and report.skipped):
-            outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-            return outcome, "", ""
-        return None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count a worker's test under its label, closing the worker's previous line."""
@@ -231,8 +234,8 @@ class ControllerProgress:
             line = self.open[worker.id] = (label, defaultdict(int), 0.0)
         name, counts, seconds = line
         self.open[worker.id] = (name, counts, seconds + report.duration)
-        if report.when == "call" or (report.when == "setup" and not report.passed):
-            counts["xfailed" if hasattr(report, "wasxfail") else report.outcome] += 1
+        if _decides(report):
+            counts[_outcome(report)] += 1
             self.done += 1
 
     def pytest_sessionfinish(self) -> None:
@@ -244,7 +247,6 @@ class ControllerProgress:
         if (line := self.open.pop(worker, None)) is None:
             return
         label, counts, seconds = line
-        outcomes = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         percent = 100 * self.done // max(self.total, 1)
         where = f"[{self.done:>4}/{self.total} {percent:>3}%]"
-        self.writer.write_line(f"{where} {label} {outcomes} ({seconds:.1f} s on {worker})")
+        self.writer.write_line(f"{where} {label} {_outcomes(counts)} ({seconds:.1f} s on {worker})")
