@@ -53,8 +53,6 @@ class WholeGroups:
         """Append each grouped test's ``@group`` to its node id, where xdist could not."""
         if not getattr(config.option, "loadgroup", False):
             return
-        from _pytest.nodeid import NodeId
-
         for item in items:
             names = {
                 str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
@@ -62,4 +60,6 @@ class WholeGroups:
             }
             suffix = "@" + "_".join(sorted(names))
             if names and not item.nodeid.endswith(suffix):
+                from _pytest.nodeid import NodeId  # pytest >= 9.2, where the suffix is lost
+
                 item._id = NodeId.parse(item.nodeid + suffix)
