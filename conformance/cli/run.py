@@ -66,9 +66,7 @@ def whole_groups(argv: Sequence[str]) -> list[str]:
 
     A group's tests share their compiled programs; on one worker each compiles once.
     """
-    workers = any(
-        a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=")) for a in argv
-    )
-    if workers and not any(a == "--dist" or a.startswith(("--dist=", "-d")) for a in argv):
+    workers = any(a.startswith(("-n", "--numprocesses")) for a in argv)
+    if workers and not any(a.startswith(("--dist", "-d")) for a in argv):
         return ["--dist", "loadgroup"]
     return []

@@ -71,11 +71,12 @@ class CompileClock:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """On an xdist worker, hand what this process compiled to the controller."""
-        counts = {
-            "xla": [self.count, self.hits, self.seconds],
-            "programs": programs.COUNTS.as_data(),
-        }
-        workers.send(session.config, "compiles", counts)
+        if workers.is_worker(session.config):
+            counts = {
+                "xla": [self.count, self.hits, self.seconds],
+                "programs": programs.COUNTS.as_data(),
+            }
+            workers.send(session.config, "compiles", counts)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object) -> None:
