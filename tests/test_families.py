@@ -2,10 +2,14 @@
 
 import dataclasses
 import importlib.metadata
+import sys
+import types
 from types import MappingProxyType, SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from conformance import families
 from conformance.checks import registry
@@ -13,6 +17,7 @@ from conformance.contract import discovery, validate
 from conformance.core.failure import CheckFailure
 from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
+from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.family import MaxTextFamily
 
@@ -245,3 +250,31 @@ def test_the_version_map_moves_the_scanned_routing_bias_layer_axis(monkeypatch):
         families.FamilyError, match=r"no version map from maxtext 0\.2\.3 to 0\.2\.5"
     ):
         families.get("maxtext-gpt3").upgrade_reference(recorded, {"maxtext": "0.2.3"})
+
+
+def test_maxtext_configs_leave_the_persistent_compilation_cache_as_it_was(monkeypatch):
+    """MaxText's ``pyconfig.initialize`` switches jax's persistent cache on (base.yml's
+    ``jax_cache_dir: ~/jax_cache``) unless ``jax_cache_dir`` is empty: the adapter empties it.
+    """
+
+    def initialize(argv, **keys):  # what MaxText 0.2.4 and 0.2.5 do with the key
+        if keys.get("jax_cache_dir", "~/jax_cache"):
+            compilation_cache.set_cache_dir(keys.get("jax_cache_dir", "~/jax_cache"))
+        return SimpleNamespace(**keys)
+
+    pyconfig = types.ModuleType("maxtext.configs.pyconfig")
+    pyconfig.initialize = initialize
+    monkeypatch.setitem(sys.modules, "maxtext", types.ModuleType("maxtext"))
+    monkeypatch.setitem(sys.modules, "maxtext.configs", types.ModuleType("maxtext.configs"))
+    monkeypatch.setitem(sys.modules, "maxtext.configs.pyconfig", pyconfig)
+    monkeypatch.setattr(importlib.metadata, "version", _version("0.2.5"))
+    before = jax.config.jax_compilation_cache_dir
+    maxtext_config._initialize.cache_clear()
+    try:
+        config = maxtext_config.MaxTextConfig.create("gpt3-52k", {}, scan_layers=True)
+        maxtext_config.hyperparameters(config, "nnx")
+        after = jax.config.jax_compilation_cache_dir
+    finally:
+        maxtext_config._initialize.cache_clear()
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert after == before

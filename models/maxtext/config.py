@@ -27,8 +27,14 @@ _FIXED: Mapping[str, Any] = {
     "matmul_precision": "highest",
     "weight_dtype": "float32",
     "enable_dropout": True,
+    "jax_cache_dir": "",
 }
-"""Overrides every family gets: tiny CPU-friendly shapes, reference attention, f32 weights."""
+"""Overrides every family gets: tiny CPU-friendly shapes, reference attention, f32 weights.
+
+``jax_cache_dir`` is emptied because MaxText's config initialisation otherwise turns on
+jax's persistent compilation cache for the whole process (``compilation_cache.
+set_cache_dir("~/jax_cache")``, base.yml's default): the harness keeps that cache opt-in
+(``JAX_COMPILATION_CACHE_DIR``), for every family alike."""
 
 
 def _frozen(value: Any) -> Any:
