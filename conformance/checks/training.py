@@ -50,7 +50,7 @@ from conformance.runtime.checkpoints import (
 )
 from conformance.runtime.sides import SIDES, LinenSide, Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
-from conformance.runtime.training import aux_total, flat_state, masked_token_loss
+from conformance.runtime.training import aux_total, flat_state, mean_token_loss
 
 MICRO_BATCHES = 4
 """Micro-batches the accumulation check splits a batch into."""
@@ -352,13 +352,13 @@ def check_dropout(case: Case) -> None:
     for side in live_pair(noisy):
         params = side.init(0)
         logits = side.forward(params, batch)[0]
-        loss_sum, count = masked_token_loss(logits, batch, noisy.family.logits_predict)
+        loss = mean_token_loss(logits, batch, noisy.family.logits_predict)
         runs = [_dropout_losses(side, params, batch) for _ in range(2)]
         if runs[0] != runs[1]:
             fail(
                 f"{side.name} losses differ between two runs from one seed: {runs[0]} vs {runs[1]}"
             )
-        if runs[0][0] == float(loss_sum / count):
+        if runs[0][0] == float(loss):
             fail(
                 f"{side.name} training loss with dropout {DROPOUT_RATE} equals the "
                 f"deterministic loss ({runs[0][0]!r}): dropout is not applied"
@@ -506,8 +506,8 @@ def check_aux_losses(case: Case) -> None:
     for training, (_, loss, _) in zip(pair, steps, strict=True):
         side = training.side
         logits = side.forward(training.initial, batch)[0]
-        loss_sum, count = masked_token_loss(logits, batch, case.family.logits_predict)
-        expected = loss_sum / count + aux_total(training.aux)
+        cross_entropy = mean_token_loss(logits, batch, case.family.logits_predict)
+        expected = cross_entropy + aux_total(training.aux)
         found = compare_trees({"loss": expected}, {"loss": loss})
         if found:
             title = (

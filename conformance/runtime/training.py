@@ -98,6 +98,17 @@ def masked_token_loss(
     return jnp.sum(losses * weights), jnp.sum(weights)
 
 
+@functools.partial(jax.jit, static_argnames="predicts")
+def mean_token_loss(logits: jax.Array, batch: Batch, predicts: str = "next") -> jax.Array:
+    """:func:`masked_token_loss`'s mean over the real targets, as one compiled program.
+
+    For checks that compute a loss outside a train step: run op by op on sharded logits,
+    the loss would compile a program per operation, again in every scope.
+    """
+    loss_sum, count = masked_token_loss(logits, batch, predicts)
+    return loss_sum / count
+
+
 def loss_inputs(batch: Batch, predicts: str = "next") -> dict[str, jax.Array]:
     """The keywords a vocab-tiled module computes its own loss from."""
     return {"targets": batch.targets, "target_weights": target_weights(batch, predicts)}
