@@ -181,6 +181,16 @@ FAULTS = (
         quant="qat_int8",
     ),
     Fault(
+        Gpt3(),
+        "quant_hygiene_topology",
+        (
+            "hidden_states: flax.nnx.variablelib.Intermediate (a sown intermediate) "
+            "appeared with quantization",
+        ),
+        seams={"qwix_strip_transients": keeps_transients},
+        size="6b",
+    ),
+    Fault(
         Llama(),
         "quant_checkpoint",
         (

@@ -7,6 +7,7 @@ run, never counted as caught.
 
 import pytest
 
+from conformance.checks import registry
 from conformance.core.failure import CheckFailure
 from conformance.core.seams import planted
 from tests.faults.catalogue import FAULTS
@@ -28,3 +29,9 @@ def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh):
     assert report.startswith(f"{fault.family.name} {fault.check}:"), report
     for expected in fault.expect:
         assert expected in report, f"{expected!r} not in report:\n{report}"
+
+
+def test_every_registered_check_has_a_planted_fault():
+    """A check that cannot fail is a defect: every check in the registry is proven by one."""
+    missing = sorted(set(registry.CHECKS) - {fault.check for fault in FAULTS})
+    assert not missing, f"checks without a planted fault: {', '.join(missing)}"

@@ -46,6 +46,22 @@ class Fp8DroppedInOneProjection(LlamaFamily):
         return model
 
 
+class NnxIgnoresDropout(Gpt3Family):
+    """NNX builds its model without dropout whatever the config asks (a rate not passed on)."""
+
+    def nnx_module(self, config, rngs):
+        return super().nnx_module(dataclasses.replace(config, dropout_rate=0.0), rngs)
+
+
+class NnxRematInBfloat16(LlamaFamily):
+    """NNX computes in bfloat16 under ``remat`` (a policy that keeps activations in bf16)."""
+
+    def nnx_module(self, config, rngs):
+        if config.remat:
+            config = dataclasses.replace(config, dtype=jnp.bfloat16)
+        return super().nnx_module(config, rngs)
+
+
 @dataclasses.dataclass(frozen=True)
 class _MeshedConfig(TransformerConfig):
     """A built-in config that also carries the device mesh (``Family.with_mesh``)."""
@@ -158,6 +174,17 @@ class ReshardedTrainState(NnxTrainState):
 
 
 FAULTS = (
+    Fault(
+        NnxIgnoresDropout(),
+        "dropout",
+        ("NNX training loss with dropout 0.1 equals the deterministic loss within float32",),
+    ),
+    Fault(
+        NnxRematInBfloat16(),
+        "layout",
+        ("NNX one step on mesh", "grads/layers/0/attn/k/kernel: ", "remat="),
+        params={"variant": "remat"},
+    ),
     Fault(
         StrayCounterBesideRngs(),
         "hygiene",
