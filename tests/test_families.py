@@ -258,8 +258,8 @@ def test_maxtext_configs_leave_the_persistent_compilation_cache_as_it_was(monkey
     """
 
     def initialize(argv, **keys):  # what MaxText 0.2.4 and 0.2.5 do with the key
-        if keys.get("jax_cache_dir", "~/jax_cache"):
-            compilation_cache.set_cache_dir(keys.get("jax_cache_dir", "~/jax_cache"))
+        if cache_dir := keys.get("jax_cache_dir", "~/jax_cache"):
+            compilation_cache.set_cache_dir(cache_dir)
         return SimpleNamespace(**keys)
 
     pyconfig = types.ModuleType("maxtext.configs.pyconfig")
