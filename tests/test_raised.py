@@ -3,6 +3,7 @@ whether the other backend fails alike. An exception outside every side propagate
 
 import dataclasses
 
+import jax
 import pytest
 from flax import linen as nn
 from flax import nnx
@@ -54,3 +55,31 @@ def test_an_error_outside_every_side_propagates_unchanged():
     check = dataclasses.replace(registry.get("forward"), run=broken)
     with pytest.raises(KeyError, match="the harness's own bug"):
         check(_case())
+
+
+def test_a_train_step_xla_cannot_compile_is_the_sides_report(monkeypatch):
+    """On one H100 (jaxlib 0.11.2, XLA's deterministic GPU ops on), XLA found no GEMM config
+    for AQT's int8 batched backward dot: the compile error is raised outside every side's
+    own methods, by the harness running the side's jitted step, and must still be a report."""
+    from jax._src import compiler
+
+    compile_fn = compiler.compile_or_get_cached
+    refusal = "INTERNAL: No supported config found for HLO: %gemm_fusion_dot.75 = s32[8,256,64]"
+
+    def refusing(backend, computation, *args, **kwargs):
+        if str(computation.operation.attributes["sym_name"]) == '"jit_step"':
+            raise jax.errors.JaxRuntimeError(refusal)
+        return compile_fn(backend, computation, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile_or_get_cached", refusing)
+    jax.clear_caches()
+    with pytest.raises(CheckFailure) as caught:
+        registry.get("train_step")(_case())
+    jax.clear_caches()
+    report = str(caught.value)
+    assert report.startswith(
+        "llama train_step: Linen raised JaxRuntimeError while running a train step "
+        "(Training.advance)"
+    ), report
+    assert refusal in report
+    assert "NNX fails alike (Training.advance): the same error on both backends" in report

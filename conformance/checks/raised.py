@@ -1,12 +1,12 @@
 """An exception raised inside a side, as a report rather than a traceback.
 
-When building, initialising, quantizing, running, training, decoding or converting one
-side raises, :func:`report` says which side raised, in which call and where, the
-parameter the error names (when it names a shape or logical axis names), and whether
-the other backend fails alike. To know that, both live sides are probed
-(:func:`probe`): built, initialised, run forward and, for an error inside a trainer,
-trained one step. The same error on both backends is a library limitation, not a
-Linen/NNX divergence; an error on one backend alone is a divergence.
+When building, initialising, quantizing, running, training (compiling the step too),
+decoding or converting one side raises, :func:`report` says which side raised, in which
+call and where, the parameter the error names (when it names a shape or logical axis
+names), and whether the other backend fails alike. To know that, both live sides are
+probed (:func:`probe`): built, initialised, run forward and, for an error inside a
+trainer, trained one step. The same error on both backends is a library limitation, not
+a Linen/NNX divergence; an error on one backend alone is a divergence.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ _DOING = {
     ("AQT model", "build"): "building the AQT model",
     ("AQT model", "convert"): "the AQT convert",
     ("AQT model", "serve"): "serving the AQT model",
+    ("train state", "advance"): "running a train step",
+    ("train state", "aux_gradient"): "differentiating the auxiliary losses",
 }
 """What a side was doing, by the kind of object and its method (without ``_`` and ``_impl``)."""
 
@@ -92,12 +94,27 @@ def _owner(frame: FrameType) -> tuple[type[Side], str, str, bool] | None:
     method = frame.f_code.co_name
     if obj is None or getattr(type(obj), method, None) is None:
         return None
+    part = _part(obj)
+    if part is None:
+        return None
+    side, kind = part
+    doing = _DOING.get((kind, _normalised(method)), f"calling {method}")
+    public = method == "__init__" or not method.startswith("_")
+    return side, doing, f"{type(obj).__name__}.{method}", public
+
+
+def _part(obj: object) -> tuple[type[Side], str] | None:
+    """The side ``obj`` belongs to and what it is (``model``, ``train state``...), if any.
+
+    A :class:`~conformance.runtime.stepping.Training` runs its side's compiled train step,
+    so an error compiling or running that program (XLA refusing it, say) is the side's.
+    """
+    if isinstance(obj, Training):
+        return type(obj.side), "train state"
     for side in SIDES.values():
         for cls, kind in side.parts.items():
             if isinstance(obj, cls):
-                doing = _DOING.get((kind, _normalised(method)), f"calling {method}")
-                public = method == "__init__" or not method.startswith("_")
-                return side, doing, f"{type(obj).__name__}.{method}", public
+                return side, kind
     return None
 
 
