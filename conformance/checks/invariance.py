@@ -19,7 +19,7 @@ from conformance.core.records import emit, listening, measure
 from conformance.core.scope import kept, scoped
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
-from conformance.runtime.diagnose.attribution import noise_masked, on_host
+from conformance.runtime.diagnose.attribution import noise_masked, on_host, rerun_differs
 from conformance.runtime.sides import SIDES
 
 
@@ -75,11 +75,15 @@ def check_sharding_invariance(case: Case, backend: str) -> None:
             f"{masked} updated parameter element(s) with a gradient within atol of zero "
             "not compared)"
         )
-        fail(
-            report(title, found, names)
-            + f"\n  {name} computes differently when partitioned on mesh {mesh.id}. "
-            "Sharding annotations choose where data lives, never what is computed: this is a "
-            "partitioning problem (an annotation or constraint that XLA's SPMD partitioner "
-            "miscomputes, often with an '[SPMD] Involuntary full rematerialization' warning "
-            "in the log, or a collective over the wrong mesh axis), not a Linen/NNX divergence"
-        )
+        cause = rerun_differs([name], mesh) if mesh.size == 1 else _partitioned(name, mesh.id)
+        fail(report(title, found, names) + f"\n  {cause}")
+
+
+def _partitioned(name: str, mesh: str) -> str:
+    return (
+        f"{name} computes differently when partitioned on mesh {mesh}. "
+        "Sharding annotations choose where data lives, never what is computed: this is a "
+        "partitioning problem (an annotation or constraint that XLA's SPMD partitioner "
+        "miscomputes, often with an '[SPMD] Involuntary full rematerialization' warning "
+        "in the log, or a collective over the wrong mesh axis), not a Linen/NNX divergence"
+    )

@@ -3,7 +3,9 @@
 A sharded computation must give the numbers it gives on one device. When two results
 disagree on a mesh (Linen against NNX, a whole batch against micro-batches), the same
 two computations on one device tell a partitioning problem (a side that changes when
-partitioned) from a real divergence (one that shows on one device too).
+partitioned) from a real divergence (one that shows on one device too). On a mesh of one
+device nothing is partitioned: there a side that moves ran the same computation twice
+and got two answers, which only a backend that is not run-to-run deterministic gives.
 """
 
 from __future__ import annotations
@@ -76,11 +78,26 @@ _QUANTIZED_MOVE = (
 )
 
 
+def rerun_differs(names: Sequence[str], mesh: MeshSpec) -> str:
+    """Why ``names`` on the one-device ``mesh`` differ from their own one-device runs.
+
+    Nothing is partitioned on one device, so the two runs are one computation run twice.
+    """
+    verb = "gives" if len(names) == 1 else "give"
+    return (
+        f"mesh {mesh.id} is one device, so nothing is partitioned: {' and '.join(names)} "
+        f"{verb} different numbers for the same computation run twice. The backend is not "
+        "run-to-run deterministic (on a GPU, XLA's atomic reductions; "
+        "XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them deterministic): not a "
+        "partitioning problem"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Attribution:
     """Each side on a mesh against itself on one device, and the two on one device."""
 
-    mesh: str
+    mesh: MeshSpec
     names: tuple[str, str]
     moved: tuple[tuple[Mismatch, ...], tuple[Mismatch, ...]]
     """Per side: where its mesh result differs from its own one-device result."""
@@ -107,15 +124,19 @@ class Attribution:
                 if found
                 else "agrees with itself on one device"
             )
-            lines.append(f"{name} on mesh {self.mesh} {state}")
+            lines.append(f"{name} on mesh {self.mesh.id} {state}")
         together = f"differ ({_worst(self.apart)})" if self.apart else "agree"
         lines.append(f"on one device, {a} and {b} {together}")
-        note = f"\n  {_QUANTIZED_MOVE}" if self.quantized and any(self.moved) else ""
+        quantized_move = self.quantized and any(self.moved) and self.mesh.size > 1
+        note = f"\n  {_QUANTIZED_MOVE}" if quantized_move else ""
         verdict = f"\n  verdict: {self._verdict()}"
         return "sharding attribution: " + "; ".join(lines) + note + verdict
 
     def _verdict(self) -> str:
         a, b = self.names
+        if self.mesh.size == 1 and any(self.moved):
+            drifted = [n for n, found in zip(self.names, self.moved, strict=True) if found]
+            return rerun_differs(drifted, self.mesh)
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
         if self.apart and self.quantized:
@@ -128,22 +149,22 @@ class Attribution:
         if self.apart:
             return (
                 f"a {a}/{b} divergence (it shows on one device too); partitioning on mesh "
-                f"{self.mesh} also changes {movers}"
+                f"{self.mesh.id} also changes {movers}"
             )
         if self.quantized:
             return (
                 f"a partitioning problem, not a {a}/{b} divergence: the two agree on one "
-                f"device and differ only when partitioned on mesh {self.mesh}, where their "
+                f"device and differ only when partitioned on mesh {self.mesh.id}, where their "
                 "programs round differently and quantization turns that into whole steps"
             )
         if movers:
             return (
                 f"a partitioning problem, not a {a}/{b} divergence: {movers} {verb} "
-                f"differently when partitioned on mesh {self.mesh}"
+                f"differently when partitioned on mesh {self.mesh.id}"
             )
         return (
             "each side is within tolerance of its one-device result and the two agree "
-            f"on one device: the gap on mesh {self.mesh} is rounding at the tolerance's edge"
+            f"on one device: the gap on mesh {self.mesh.id} is rounding at the tolerance's edge"
         )
 
 
@@ -159,7 +180,7 @@ def attribute(
         tuple(compare_runs(on_one[0], on_mesh[0])),
         tuple(compare_runs(on_one[1], on_mesh[1])),
     )
-    return Attribution(mesh.id, names, moved, tuple(compare_runs(*on_one)), quantized)
+    return Attribution(mesh, names, moved, tuple(compare_runs(*on_one)), quantized)
 
 
 def attribution_text(
