@@ -187,7 +187,8 @@ def check_aqt_convert(case: Case) -> None:
 
     From the same float parameters: every ``qvalue`` equal and every ``scale`` within the
     float policy across backends, and on each side the convert-mode logits equal the
-    TRAIN-mode logits exactly (converting must not change what the model computes).
+    TRAIN-mode logits within the float policy (converting must not change what the model
+    computes; the two are different programs, which the CPU rounds alike and a GPU not).
     """
     linen, nnx_, mapping = aqt_pair(case)
     params = shared_params(*live_pair(case))
@@ -202,7 +203,7 @@ def check_aqt_convert(case: Case) -> None:
     for side, logits, side_params in zip(
         live_pair(_train(case)), (linen_logits, nnx_logits), params, strict=True
     ):
-        found = compare_arrays("logits", side.forward(side_params, batch)[0], logits, EXACT)
+        found = compare_arrays("logits", side.forward(side_params, batch)[0], logits)
         if found is not None:
             title = f"{side.name} CONVERT forward vs TRAIN forward on mesh {case.mesh.id}"
             fail(failed(title, [found], ("TRAIN", "CONVERT")))
