@@ -57,22 +57,30 @@ def test_an_error_outside_every_side_propagates_unchanged():
         check(_case())
 
 
-def test_a_train_step_xla_cannot_compile_is_the_sides_report(monkeypatch):
-    """On one H100 (jaxlib 0.11.2, XLA's deterministic GPU ops on), XLA found no GEMM config
-    for AQT's int8 batched backward dot: the compile error is raised outside every side's
-    own methods, by the harness running the side's jitted step, and must still be a report."""
+def _refuse_steps(monkeypatch, refusal, needle=""):
+    """XLA raises ``refusal`` for every train step program whose text holds ``needle``."""
     from jax._src import compiler
 
     compile_fn = compiler.compile_or_get_cached
-    refusal = "INTERNAL: No supported config found for HLO: %gemm_fusion_dot.75 = s32[8,256,64]"
 
     def refusing(backend, computation, *args, **kwargs):
-        if str(computation.operation.attributes["sym_name"]) == '"jit_step"':
+        name = str(computation.operation.attributes["sym_name"])
+        if name == '"jit_step"' and needle in str(computation):
             raise jax.errors.JaxRuntimeError(refusal)
         return compile_fn(backend, computation, *args, **kwargs)
 
     monkeypatch.setattr(compiler, "compile_or_get_cached", refusing)
     jax.clear_caches()
+
+
+REFUSAL = "INTERNAL: No supported config found for HLO: %gemm_fusion_dot.75 = s32[8,256,64]"
+
+
+def test_a_train_step_xla_cannot_compile_is_the_sides_report(monkeypatch):
+    """On one H100 (jaxlib 0.11.2, XLA's deterministic GPU ops on), XLA found no GEMM config
+    for AQT's int8 batched backward dot: the compile error is raised outside every side's
+    own methods, by the harness running the side's jitted step, and must still be a report."""
+    _refuse_steps(monkeypatch, REFUSAL)
     with pytest.raises(CheckFailure) as caught:
         registry.get("train_step")(_case())
     jax.clear_caches()
@@ -81,5 +89,17 @@ def test_a_train_step_xla_cannot_compile_is_the_sides_report(monkeypatch):
         "llama train_step: Linen raised JaxRuntimeError while running a train step "
         "(Training.advance)"
     ), report
-    assert refusal in report
+    assert REFUSAL in report
+    assert "NNX fails alike (Training.advance): the same error on both backends" in report
+
+
+def test_the_other_side_is_probed_in_the_case_that_raised(monkeypatch):
+    """The H100's refusal hit only the AQT train step (its int8 dots): probing NNX's float
+    train step instead called it 'only Linen fails ... a Linen/NNX divergence'."""
+    _refuse_steps(monkeypatch, REFUSAL, needle="xi8>")
+    with pytest.raises(CheckFailure) as caught:
+        registry.get("aqt_train_step")(_case())
+    jax.clear_caches()
+    report = str(caught.value)
+    assert "Linen raised JaxRuntimeError while running a train step" in report, report
     assert "NNX fails alike (Training.advance): the same error on both backends" in report

@@ -63,6 +63,9 @@ class Raised:
     doing: str
     call: str
     error: BaseException
+    case: Case | None = None
+    """The case the raising side ran, when its object says (a train state's may be a
+    derived one, an AQT train step's, say); ``None``: the check's own case."""
 
     @property
     def kind(self) -> str:
@@ -85,8 +88,8 @@ def _normalised(method: str) -> str:
     return "build" if method == "__init__" else method.strip("_").removesuffix("_impl")
 
 
-def _owner(frame: FrameType) -> tuple[type[Side], str, str, bool] | None:
-    """The side running ``frame``'s method, what it did, the method, whether it is public.
+def _owner(frame: FrameType) -> tuple[type[Side], Case | None, str, str, bool] | None:
+    """Who ran ``frame``'s method: side, case (if known), what it did, method, public.
 
     ``__init__`` counts as public: building is a call of its own.
     """
@@ -97,24 +100,24 @@ def _owner(frame: FrameType) -> tuple[type[Side], str, str, bool] | None:
     part = _part(obj)
     if part is None:
         return None
-    side, kind = part
+    side, case, kind = part
     doing = _DOING.get((kind, _normalised(method)), f"calling {method}")
     public = method == "__init__" or not method.startswith("_")
-    return side, doing, f"{type(obj).__name__}.{method}", public
+    return side, case, doing, f"{type(obj).__name__}.{method}", public
 
 
-def _part(obj: object) -> tuple[type[Side], str] | None:
-    """The side ``obj`` belongs to and what it is (``model``, ``train state``...), if any.
+def _part(obj: object) -> tuple[type[Side], Case | None, str] | None:
+    """The side ``obj`` belongs to, its case if ``obj`` knows it, and what ``obj`` is.
 
     A :class:`~conformance.runtime.stepping.Training` runs its side's compiled train step,
     so an error compiling or running that program (XLA refusing it, say) is the side's.
     """
     if isinstance(obj, Training):
-        return type(obj.side), "train state"
+        return type(obj.side), obj.side.case, "train state"
     for side in SIDES.values():
         for cls, kind in side.parts.items():
             if isinstance(obj, cls):
-                return side, kind
+                return side, None, kind
     return None
 
 
@@ -128,8 +131,8 @@ def raised_in(error: BaseException) -> Raised | None:
     owners = [found for frame, _ in frames if (found := _owner(frame))]
     if not owners:
         return None
-    side, doing, call, _ = ([o for o in owners if o[3]] or owners)[-1]
-    return Raised(side.name, doing, call, error)
+    side, case, doing, call, _ = ([o for o in owners if o[4]] or owners)[-1]
+    return Raised(side.name, doing, call, error, case)
 
 
 def origin(error: BaseException) -> str:
@@ -228,12 +231,13 @@ def report(case: Case, error: BaseException) -> str | None:
 
     Its lines: which side raised what while doing what (and in which method), the
     message, where it was raised, the parameters it names, and the other backend's
-    verdict from :func:`probe`.
+    verdict from :func:`probe`, run in the case the raising side ran when its object
+    knows it (:attr:`Raised.case`).
     """
     raised = raised_in(error)
     if raised is None:
         return None
-    sides = {side.name: side for side in live_sides(case)}
+    sides = {side.name: side for side in live_sides(raised.case or case)}
     trainer = raised.doing in _TRAINER_STEPS
     probed = _MODEL_STEPS + (_TRAINER_STEPS if trainer else ())
     lines = [
