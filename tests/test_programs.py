@@ -31,10 +31,10 @@ def _over_the_mesh(x):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
 
 
-def _compiles_after_a_release(x):
+def _compiles_after_a_release(x, keep_programs=False):
     """How often the second of two twin jits compiles ``x`` when a scope ended between."""
     first, second = _twin_jits()
-    with Scope():
+    with Scope(keep_programs=keep_programs):
         first(x)
     compiled = programs.COUNTS.compiled
     with Scope():
@@ -46,6 +46,18 @@ def test_a_release_drops_the_programs_of_a_mesh():
     assert programs.install()
     assert jax.device_count() > 1
     assert _compiles_after_a_release(_over_the_mesh(jnp.arange(16.0))) == 1
+
+
+def test_a_scope_that_keeps_programs_keeps_those_of_a_mesh_within_the_mapping_budget():
+    assert programs.install()
+    assert _compiles_after_a_release(_over_the_mesh(jnp.arange(24.0)), keep_programs=True) == 0
+
+
+def test_past_the_mapping_budget_a_scope_that_keeps_programs_drops_them(monkeypatch):
+    assert programs.install()
+    monkeypatch.setattr(scope, "mapping_budget", lambda: 0)
+    mesh_input = _over_the_mesh(jnp.arange(32.0))
+    assert _compiles_after_a_release(mesh_input, keep_programs=True) == 1
 
 
 def test_a_release_keeps_one_device_programs_within_the_mapping_budget():

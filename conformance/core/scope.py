@@ -45,12 +45,18 @@ from conformance.core import programs
 
 
 class Scope:
-    """A memo of scoped factories' results; leaving it (or :meth:`release`) frees them all."""
+    """A memo of scoped factories' results; leaving it (or :meth:`release`) frees them all.
 
-    def __init__(self) -> None:
+    ``keep_programs``: leaving it keeps every compiled program live for the scopes that
+    follow, within the mapping budget (see :meth:`release`): for a run of scopes that
+    rebuild the same models, as the harness's planted faults do.
+    """
+
+    def __init__(self, *, keep_programs: bool = False) -> None:
         self._memo: dict[Hashable, Any] = {}
         self._results: dict[Hashable, Any] = {}
         self._tokens: list[contextvars.Token[Scope]] = []
+        self._keep_programs = keep_programs
 
     def __len__(self) -> int:
         return len(self._memo)
@@ -82,7 +88,7 @@ class Scope:
             memo[key] = factory(*args, **kwargs)
         return memo[key]
 
-    def release(self, *, keep_results: bool = False) -> None:
+    def release(self, *, keep_results: bool = False, keep_programs: bool = False) -> None:
         """Drop everything built in this scope and every executable held for reuse.
 
         That is jax's caches and :mod:`~conformance.core.programs`' live executables,
@@ -90,13 +96,16 @@ class Scope:
         mappings than :func:`mapping_budget`: no mesh shapes them, so later scopes run
         the same ones. jax's caches are process-wide, so programs compiled outside this
         scope are recompiled on their next call; nothing is lost but time. With
-        ``keep_results``, the values of :func:`kept` factories stay.
+        ``keep_results``, the values of :func:`kept` factories stay; with
+        ``keep_programs``, every live executable stays while under the budget.
         """
         self._memo.clear()
         if not keep_results:
             self._results.clear()
         budget, mappings = mapping_budget(), mapping_count()
-        programs.forget(keep_one_device=budget is None or (mappings or 0) < budget)
+        within = budget is None or (mappings or 0) < budget
+        if not (keep_programs and within):
+            programs.forget(keep_one_device=within)
         jax.clear_caches()
         gc.collect()
 
@@ -111,7 +120,7 @@ class Scope:
         traceback: TracebackType | None,
     ) -> None:
         _ACTIVE.reset(self._tokens.pop())
-        self.release()
+        self.release(keep_programs=self._keep_programs)
 
 
 _DEFAULT = Scope()
