@@ -392,3 +392,47 @@ def test_a_group_runs_on_one_xdist_worker(pytester):
     lines = [line for line in result.stdout.lines if "PASSED" in line]
     assert len({line.split()[0] for line in lines}) == 1, lines
     assert all(line.rstrip().endswith("@together") for line in lines), lines
+
+
+ERRING_TEST = """
+import pytest
+
+
+@pytest.fixture
+def leaves_a_mess():
+    yield
+    raise RuntimeError("teardown broke")
+
+
+def test_tidy(family, leaves_a_mess):
+    pass
+
+
+@pytest.mark.xfail(reason="thought broken", strict=False)
+def test_lucky(family):
+    pass
+"""
+
+
+def test_progress_lines_and_the_matrix_count_outcomes_as_pytest_does(pytester):
+    """A teardown error is an error and an unexpected pass is xpassed, in every count."""
+    pytester.makepyfile(test_erring=ERRING_TEST)
+    args = (
+        "--conformance-family",
+        "gpt3",
+        "--conformance-tier",
+        "full",
+        "--conformance-progress",
+        "-q",
+    )
+    result = pytester.runpytest(*args)
+    result.assert_outcomes(passed=1, errors=1, xpassed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*] gpt3 * tidy *1 error, 1 passed (* s)",
+            "*] gpt3 * lucky *1 xpassed (* s)",
+            "*Linen/NNX agreement (agreed/run; f=failed e=error s=skipped x=xfailed X=xpassed)*",
+            "family*lucky*tidy*",
+            "gpt3*- (1X)*0/1 (1e)*",
+        ]
+    )

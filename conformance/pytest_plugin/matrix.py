@@ -18,7 +18,8 @@ from conformance.core import distributed
 from conformance.pytest_plugin import workers
 from conformance.pytest_plugin.goldens import unused_goldens
 from conformance.pytest_plugin.session import settings
-from conformance.report.model import matrix_rows
+from conformance.report.collector import fold
+from conformance.report.model import CELL_LEGEND, matrix_rows
 
 CLAIMED = pytest.StashKey[set[Path]]()
 """Golden files claimed by a collected test (set during collection)."""
@@ -29,17 +30,25 @@ class SessionReport:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.results: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.tests: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {}
+        """``{node id: ((family, check), (outcome, message))}``, folded phase by phase."""
         self.unused: list[Path] = []
         config.stash[CLAIMED] = set()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        """Count each suite test's outcome under its (family, check) cell."""
+        """Fold each phase of a suite test into its outcome, as the report does."""
         key = dict(report.user_properties).get("conformance")
-        if key is None or (report.when != "call" and report.passed):
-            return
-        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
-        self.results[tuple(key)][outcome] += 1
+        if key is not None:
+            _, test = self.tests.get(report.nodeid, (None, ("passed", "")))
+            self.tests[report.nodeid] = (tuple(key), fold(test, report))
+
+    @property
+    def results(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Outcome counts per ``(family, check)`` cell."""
+        counts: dict[tuple[str, str], dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for key, (test_outcome, _) in self.tests.values():
+            counts[key][test_outcome] += 1
+        return counts
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: object) -> None:
@@ -64,16 +73,17 @@ class SessionReport:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Print the agreement matrix (process 0 only) and any unused goldens."""
-        if self.results and not distributed.is_leader():
+        results = self.results
+        if results and not distributed.is_leader():
             terminalreporter.write_line("agreement matrix: in process 0's output")
-        elif self.results:
-            title = "Linen/NNX agreement (agreed/run; f=failed s=skipped x=xfailed)"
+        elif results:
+            title = f"Linen/NNX agreement ({CELL_LEGEND})"
             terminalreporter.section(title)
             bridged = settings(self.config).bridged()
-            for line in agreement_matrix(self.results, bridged):
+            for line in agreement_matrix(results, bridged):
                 terminalreporter.write_line(line)
             recorded = settings(self.config).recorded()
-            if recorded and any(check.startswith("recorded_") for _, check in self.results):
+            if recorded and any(check.startswith("recorded_") for _, check in results):
                 terminalreporter.write_line("recorded_* compare " + "; ".join(recorded))
         if self.unused:
             terminalreporter.section("unused goldens", red=True)

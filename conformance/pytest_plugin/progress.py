@@ -19,6 +19,7 @@ import pytest
 
 from conformance.core import programs
 from conformance.pytest_plugin import workers
+from conformance.report.collector import outcome
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """jax's event for one program made executable (compiled, or read from the cache)."""
@@ -119,18 +120,9 @@ class _Lines:
     @pytest.hookimpl(tryfirst=True)
     def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
         """No per-test character: the progress line says it all."""
-        if report.when == "call" or (report.when == "setup" and report.skipped):
-            return _outcome(report), "", ""
+        if (decided := outcome(report)) is not None:
+            return decided[0], "", ""
         return None
-
-
-def _outcome(report: pytest.TestReport) -> str:
-    return "xfailed" if hasattr(report, "wasxfail") else report.outcome
-
-
-def _decides(report: pytest.TestReport) -> bool:
-    """Whether this phase's report is the one that gives its test's outcome."""
-    return report.when == "call" or (report.when == "setup" and not report.passed)
 
 
 def _outcomes(counts: dict[str, int]) -> str:
@@ -183,8 +175,9 @@ class Progress(_Lines):
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Count the outcome of each test on the open line."""
-        if _decides(report):
-            self.counts[_outcome(report)] += 1
+        if (decided := outcome(report)) is not None:
+            self.counts[decided[0]] += 1
+        if report.when == "teardown":
             self.done += 1
 
     def pytest_sessionfinish(self) -> None:
@@ -235,8 +228,9 @@ class ControllerProgress(_Lines):
             line = self.open[worker.id] = (label, defaultdict(int), 0.0)
         name, counts, seconds = line
         self.open[worker.id] = (name, counts, seconds + report.duration)
-        if _decides(report):
-            counts[_outcome(report)] += 1
+        if (decided := outcome(report)) is not None:
+            counts[decided[0]] += 1
+        if report.when == "teardown":
             self.done += 1
 
     def pytest_sessionfinish(self) -> None:

@@ -30,8 +30,14 @@ from conformance.report.model import (
 _MEASURED = pytest.StashKey[list[records.Record]]()
 
 
-def _outcome(report: pytest.TestReport) -> tuple[str, str] | None:
-    """``(outcome, message)`` a phase decides, or ``None`` if the phase decides nothing."""
+def outcome(report: pytest.TestReport) -> tuple[str, str] | None:
+    """``(outcome, message)`` a test phase decides, or ``None`` if it decides nothing.
+
+    The one rule every count of the run follows (progress lines, the matrix, the report):
+    a call decides (``passed``, ``failed``, ``skipped``, or ``xfailed``/``xpassed`` when
+    the test was expected to fail); setup and teardown decide only when they did not pass
+    (``error`` when they raised, ``skipped`` when the test was skipped before its call).
+    """
     decisive = report.when == "call" or not report.passed
     if not decisive:
         return None
@@ -44,6 +50,16 @@ def _outcome(report: pytest.TestReport) -> tuple[str, str] | None:
         reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
         return "skipped", reason.removeprefix("Skipped: ")
     return "passed", ""
+
+
+def fold(test: tuple[str, str], report: pytest.TestReport) -> tuple[str, str]:
+    """A test's ``(outcome, message)`` with one more phase in (it starts ``("passed", "")``).
+
+    The first phase that decides anything but a pass or a skip stands: a failed call
+    stays failed through its teardown; a passed call whose teardown raised is an error.
+    """
+    decided = outcome(report)
+    return decided if decided is not None and test[0] in ("passed", "skipped") else test
 
 
 class ReportCollector:
@@ -96,9 +112,7 @@ class ReportCollector:
         record.duration_s += report.duration
         record.measurements += getattr(report, "conformance_measurements", [])
         record.costs += getattr(report, "conformance_costs", [])
-        decided = _outcome(report)
-        if decided is not None and record.outcome in ("passed", "skipped"):
-            record.outcome, record.message = decided
+        record.outcome, record.message = fold((record.outcome, record.message), report)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -219,13 +219,17 @@ def cells(report: Mapping[str, Any]) -> dict[tuple[str, str], Counter[str]]:
     return found
 
 
+_CELL_EXTRAS = {"failed": "f", "error": "e", "skipped": "s", "xfailed": "x", "xpassed": "X"}
+
+CELL_LEGEND = "agreed/run; " + " ".join(f"{c}={k}" for k, c in _CELL_EXTRAS.items())
+"""What a matrix cell's numbers and letters mean, for every rendering of the matrix."""
+
+
 def cell_text(counts: Mapping[str, int]) -> str:
-    """A matrix cell: ``agreed/run``, then failures, skips and expected failures."""
+    """A matrix cell: ``agreed/run``, then the other outcomes' counts (see CELL_LEGEND)."""
     run = counts.get("passed", 0) + counts.get("failed", 0) + counts.get("error", 0)
     text = f"{counts.get('passed', 0)}/{run}" if run else "-"
-    extras = [
-        f"{counts[k]}{k[0]}" for k in ("failed", "error", "skipped", "xfailed") if counts.get(k)
-    ]
+    extras = [f"{counts[k]}{c}" for k, c in _CELL_EXTRAS.items() if counts.get(k)]
     return text + (f" ({' '.join(extras)})" if extras else "")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from conformance.report import plots
 from conformance.report.model import (
+    CELL_LEGEND,
     Json,
     RecordedTest,
     bridged_sides,
@@ -94,7 +95,7 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         "",
         f"{_summary_line(report)}. {_runs_line(report)}.",
         "",
-        "## Agreement (agreed/run; f=failed e=error s=skipped x=xfailed)",
+        f"## Agreement ({CELL_LEGEND})",
         "",
     ]
     results = cells(report)
@@ -165,7 +166,7 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
         f"<style>{_STYLE}</style></head><body>",
         "<h1>Linen/NNX conformance report</h1>",
         f"<p>{html.escape(_summary_line(report))}. {html.escape(_runs_line(report))}.</p>",
-        "<h2>Agreement</h2><p>agreed/run; f=failed e=error s=skipped x=xfailed</p>",
+        f"<h2>Agreement</h2><p>{CELL_LEGEND}</p>",
         _html_table(rows, classes, id="matrix") if results else "<p>No suite test ran.</p>",
     ]
     if headroom(report):
