@@ -24,6 +24,7 @@ from conformance.checks.kernel import (
     leaf_table,
     param_map,
     quantized_forwards,
+    rerun_note,
     round_trip,
     shared_params,
     train_step_parity,
@@ -243,4 +244,4 @@ def check_aqt_serve(case: Case, workdir: Path) -> None:
                 f"{side.name} SERVE forward from the restored tree vs CONVERT forward on mesh "
                 f"{case.mesh.id}"
             )
-            fail(failed(title, [found], ("CONVERT", "SERVE")))
+            fail(failed(title, [found], ("CONVERT", "SERVE")) + rerun_note())

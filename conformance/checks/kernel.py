@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from conformance.contract import LogicalRules
 from conformance.core.distributed import host_array
+from conformance.core.environment import nondeterminism
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import (
     EXACT,
@@ -327,6 +328,16 @@ def train_steps(case: Case, start: Flat | None = None) -> tuple[Flat, list[tuple
     a, b = train_pair(case, start)
     batch = case.batch()
     return a.initial, [(a.advance(batch), b.advance(batch)) for _ in range(STEPS)]
+
+
+def rerun_note() -> str:
+    """The last line of a report that two runs differ bit for bit: why, where they can.
+
+    Empty where the backend is deterministic (see
+    :func:`~conformance.core.environment.nondeterminism`).
+    """
+    note = nondeterminism()
+    return f"\n  {note}" if note else ""
 
 
 def step_tree(result: StepResult) -> Flat:

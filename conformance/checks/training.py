@@ -19,6 +19,7 @@ from flax import nnx
 from conformance.checks.kernel import (
     misplaced,
     param_map,
+    rerun_note,
     step_disagreement,
     step_tree,
     steps_agree,
@@ -417,7 +418,7 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
                 f"{side.name} step {step} of {total} on mesh {case.mesh.id}, resumed from a "
                 f"checkpoint of step {RESUME_STEPS}, against the same step run straight"
             )
-            fail(failed(title, mismatches, ("straight", "resumed")))
+            fail(failed(title, mismatches, ("straight", "resumed")) + rerun_note())
 
 
 def check_resume_conversion(case: Case, workdir: Path) -> None:

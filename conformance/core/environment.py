@@ -75,6 +75,29 @@ def set_matmul_precision() -> str:
     return str(jax.config.jax_default_matmul_precision)
 
 
+GPU_DETERMINISTIC_FLAG = "--xla_gpu_deterministic_ops=true"
+"""The ``XLA_FLAGS`` entry that makes XLA's GPU programs run-to-run deterministic."""
+
+
+def nondeterminism() -> str | None:
+    """Why one program run twice may give two answers on this backend, or ``None``.
+
+    XLA's GPU programs reduce with atomics unless :data:`GPU_DETERMINISTIC_FLAG` is in
+    ``XLA_FLAGS``: on an H200 a resumed train step differed from the same step run
+    straight by up to 4e-5, and on an H100 with the flag it matched bit for bit. The
+    CPU backend is deterministic.
+    """
+    import jax
+
+    if jax.default_backend() != "gpu" or GPU_DETERMINISTIC_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return (
+        "this GPU run is not run-to-run deterministic: XLA's reductions use atomics, so a "
+        f"program run twice can round apart; rerun with XLA_FLAGS={GPU_DETERMINISTIC_FLAG} "
+        "to tell that from a real difference"
+    )
+
+
 def library_versions() -> dict[str, str]:
     """The installed version of each of :data:`LIBRARIES` (those not installed are left out)."""
     versions = {}

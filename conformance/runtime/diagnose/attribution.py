@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from conformance.core.distributed import host_array
+from conformance.core.environment import GPU_DETERMINISTIC_FLAG
 from conformance.core.numerics import Mismatch, compare_trees, tolerance_for
 from conformance.core.sharding import MeshSpec
 from conformance.core.trees import Flat
@@ -88,7 +89,7 @@ def rerun_differs(names: Sequence[str], mesh: MeshSpec) -> str:
         f"mesh {mesh.id} is one device, so nothing is partitioned: {' and '.join(names)} "
         f"{verb} different numbers for the same computation run twice. The backend is not "
         "run-to-run deterministic (on a GPU, XLA's atomic reductions; "
-        "XLA_FLAGS=--xla_gpu_deterministic_ops=true makes them deterministic): not a "
+        f"XLA_FLAGS={GPU_DETERMINISTIC_FLAG} makes them deterministic): not a "
         "partitioning problem"
     )
 
