@@ -157,14 +157,12 @@ def mapping_limit() -> int | None:
 
 
 def mapping_budget() -> int | None:
-    """Three quarters of the kernel's limit on memory mappings (Linux), or ``None``.
+    """Half the kernel's limit on memory mappings (Linux), or ``None`` where unknown.
 
-    Past it, releases drop every compiled program, however small. The quarter left is
-    headroom for the test that crosses it: one test adds at most a few thousand mappings
-    (a train-step test 1,600-3,300), against 16,382 at the default limit of 65,530.
+    Past it, releases drop every compiled program, however small.
     """
     limit = mapping_limit()
-    return None if limit is None else limit * 3 // 4
+    return None if limit is None else limit // 2
 
 
 def _memoised[**P, R](factory: Callable[P, R], result: bool) -> Callable[P, R]:

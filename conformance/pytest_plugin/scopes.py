@@ -20,7 +20,7 @@ from conformance.pytest_plugin.plan import group_of
 class ScopePerGroup:
     """Releases compiled programs when the next test belongs to another group, or sooner.
 
-    A group whose programs alone pass three quarters of the kernel's mapping limit
+    A group whose programs alone pass half of the kernel's mapping limit
     (``vm.max_map_count``: :func:`~conformance.core.scope.mapping_budget`) is released
     early, between two of its tests: its later tests recompile what they share, and the
     run does not crash. Host results
