@@ -109,11 +109,14 @@ class Attribution:
     expected (a rounding-level change crosses grid steps), so only ``apart`` decides."""
 
     @property
+    def drifted(self) -> list[str]:
+        """The sides whose mesh results differ from their one-device results."""
+        return [name for name, found in zip(self.names, self.moved, strict=True) if found]
+
+    @property
     def movers(self) -> list[str]:
         """The sides whose results change when partitioned on the mesh (none if quantized)."""
-        if self.quantized:
-            return []
-        return [name for name, found in zip(self.names, self.moved, strict=True) if found]
+        return [] if self.quantized else self.drifted
 
     def describe(self) -> str:
         """Which side moved when partitioned, and the likely cause, in a few lines."""
@@ -135,9 +138,8 @@ class Attribution:
 
     def _verdict(self) -> str:
         a, b = self.names
-        if self.mesh.size == 1 and any(self.moved):
-            drifted = [n for n, found in zip(self.names, self.moved, strict=True) if found]
-            return rerun_differs(drifted, self.mesh)
+        if self.mesh.size == 1 and self.drifted:
+            return rerun_differs(self.drifted, self.mesh)
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
         if self.apart and self.quantized:
