@@ -1,16 +1,17 @@
 """Checkpoint directories: save, strict restore, and Linen <-> NNX conversion.
 
-A checkpoint directory written here holds ``state/``, an orbax ``StandardCheckpointer``
-tree of the train state as nested dicts keyed by canonical path components, and
-``conformance.json``, which says what the state is: family, config size, backend and
-layer layout. orbax alone restores a renamed leaf as an error but casts dtypes silently,
-so :func:`restore` compares the stored layout with the target first and refuses any
-missing, extra, reshaped or retyped leaf, naming its path.
+A checkpoint directory written here holds ``state/``, an orbax PyTree checkpoint (which
+``StandardCheckpointer`` restores) of the train state as nested dicts keyed by canonical
+path components, and ``conformance.json``, which says what the state is: family, config
+size, backend and layer layout. orbax alone restores a renamed leaf as an error but casts
+dtypes silently, so :func:`restore` compares the stored layout with the target first and
+refuses any missing, extra, reshaped or retyped leaf, naming its path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Sharding
+from orbax.checkpoint import type_handlers
+from orbax.checkpoint._src.metadata.array_metadata_store import Store
 
 from conformance.contract import Family
 from conformance.core import distributed
@@ -64,13 +67,34 @@ class CheckpointInfo:
         return "scan" if self.scan_layers else "loop"
 
 
+@functools.cache
+def _type_handlers(replica_parallel: bool) -> type_handlers.TypeHandlerRegistry:
+    """The standard orbax type handlers, with orbax's replica-parallel writes on or off.
+
+    orbax (off GPUs) splits each replicated shard among the devices holding it, so that
+    every host writes a part; it slices the shard with a jitted program per shape and
+    device. In one process that spreads no writes and costs hundreds of compiles per
+    run; with it off, one replica writes each shard, as orbax does on GPUs. The array
+    handler keeps orbax's array metadata store (it records typed PRNG keys).
+    """
+    kept = [(t, type_handlers.get_type_handler(t)) for t in type_handlers.supported_types()]
+    array = type_handlers.ArrayHandler(
+        use_replica_parallel=replica_parallel, array_metadata_store=Store()
+    )
+    return type_handlers.create_type_handler_registry(
+        *[(t, handler) for t, handler in kept if t is not jax.Array], (jax.Array, array)
+    )
+
+
 def save(directory: Path, state: Flat, info: CheckpointInfo) -> None:
     """Write ``state`` and ``info`` to a new ``directory``; an existing one is refused.
 
     The state is written to a temporary sibling first and renamed into place, so a
     failed save never leaves a half-written checkpoint under ``directory``. In a
     multi-controller run every process calls this with its shards of ``state`` and a
-    ``directory`` they all share; each writes its own shards and process 0 the rest.
+    ``directory`` they all share; each writes its own shards and process 0 the rest
+    (a replicated shard is split among the processes holding it; in one process, one
+    replica writes it whole).
     """
     directory = Path(directory)
     if directory.exists():
@@ -84,9 +108,12 @@ def save(directory: Path, state: Flat, info: CheckpointInfo) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     distributed.barrier(f"save {directory}: staging")
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(staging.absolute() / STATE_DIR, unflatten(state))
-        checkpointer.wait_until_finished()
+    registry = _type_handlers(replica_parallel=distributed.is_multiprocess())
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(
+            staging.absolute() / STATE_DIR, args=ocp.args.PyTreeSave(unflatten(state))
+        )
     distributed.barrier(f"save {directory}: state written")
     if leader:
         record = {"format": FORMAT_VERSION, **dataclasses.asdict(info)}
