@@ -88,16 +88,23 @@ class Scope:
             memo[key] = factory(*args, **kwargs)
         return memo[key]
 
-    def release(self, *, keep_results: bool = False, keep_programs: bool = False) -> None:
+    def release(
+        self,
+        *,
+        keep_results: bool = False,
+        keep_programs: bool = False,
+        keep_one_device: bool = True,
+    ) -> None:
         """Drop everything built in this scope and every executable held for reuse.
 
         That is jax's caches and :mod:`~conformance.core.programs`' live executables,
         but for those that run on one device while the process holds fewer memory
-        mappings than :func:`mapping_budget`: no mesh shapes them, so later scopes run
-        the same ones. jax's caches are process-wide, so programs compiled outside this
-        scope are recompiled on their next call; nothing is lost but time. With
-        ``keep_results``, the values of :func:`kept` factories stay; with
-        ``keep_programs``, every live executable stays while under the budget.
+        mappings than :func:`mapping_budget` (unless ``keep_one_device`` is false): no
+        mesh shapes them, so later scopes run the same ones. jax's caches are
+        process-wide, so programs compiled outside this scope are recompiled on their
+        next call; nothing is lost but time. With ``keep_results``, the values of
+        :func:`kept` factories stay; with ``keep_programs``, every live executable stays
+        while under the budget.
         """
         self._memo.clear()
         if not keep_results:
@@ -105,7 +112,7 @@ class Scope:
         budget, mappings = mapping_budget(), mapping_count()
         within = budget is None or (mappings or 0) < budget
         if not (keep_programs and within):
-            programs.forget(keep_one_device=within)
+            programs.forget(keep_one_device=keep_one_device and within)
         jax.clear_caches()
         gc.collect()
 
@@ -134,9 +141,9 @@ def current() -> Scope:
     return _ACTIVE.get()
 
 
-def release(*, keep_results: bool = False) -> None:
+def release(*, keep_results: bool = False, keep_one_device: bool = True) -> None:
     """Release the innermost active scope: see :meth:`Scope.release`."""
-    current().release(keep_results=keep_results)
+    current().release(keep_results=keep_results, keep_one_device=keep_one_device)
 
 
 def mapping_count() -> int | None:
