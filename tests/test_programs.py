@@ -65,18 +65,6 @@ def test_a_release_keeps_one_device_programs_within_the_mapping_budget():
     assert _compiles_after_a_release(jnp.arange(5.0)) == 0
 
 
-def test_a_release_between_families_or_layouts_drops_one_device_programs():
-    assert programs.install()
-    first, second = _twin_jits()
-    x = jnp.arange(9.0)
-    with Scope() as inner:
-        first(x)
-        inner.release(keep_one_device=False)
-        compiled = programs.COUNTS.compiled
-        second(x)
-        assert programs.COUNTS.compiled - compiled == 1
-
-
 def test_past_the_mapping_budget_a_release_drops_one_device_programs_too(monkeypatch):
     assert programs.install()
     monkeypatch.setattr(scope, "mapping_budget", lambda: 0)

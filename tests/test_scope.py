@@ -1,15 +1,11 @@
 """Scopes own what scoped factories build, and releasing one frees compiled programs."""
 
-import contextlib
-import itertools
-
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from conformance.core.scope import Scope, kept, mapping_count, scoped
-from conformance.pytest_plugin import scopes
 
 BUILT = []
 
@@ -85,21 +81,3 @@ def test_leaving_a_scope_lets_later_programs_reuse_freed_code_memory():
         held_twice = _compile(40, 500.0)
     assert max(peaks) - min(peaks) < 40, f"released programs still grow the mappings: {peaks}"
     assert held_twice > max(peaks) + 100, "programs held together should map more code"
-
-
-def test_between_groups_one_device_programs_stay_only_while_family_and_layout_stay(monkeypatch):
-    """Groups (family, scan_layers, mesh) come ordered: a new family or layout keeps nothing."""
-    releases = []
-    monkeypatch.setattr(scopes, "group_of", lambda item: item)
-    monkeypatch.setattr(scopes.scope, "mapping_count", lambda: 0)
-    monkeypatch.setattr(scopes.scope, "release", lambda **kwargs: releases.append(kwargs))
-    plugin = scopes.ScopePerGroup()
-    run = [("gpt3", False, "fsdp8"), ("gpt3", False, "2x2x2"), ("gpt3", True, "fsdp8")]
-    run += [("llama", True, "fsdp8"), None]
-    for item, nextitem in itertools.pairwise(run):
-        teardown = plugin.pytest_runtest_teardown(item, nextitem)
-        next(teardown)
-        with contextlib.suppress(StopIteration):
-            teardown.send(None)
-    kept, dropped = [{"keep_results": k, "keep_one_device": k} for k in (True, False)]
-    assert releases == [kept, dropped, dropped, dropped]

@@ -9,10 +9,10 @@ it is handed to every later compile of the same program (jax's own cache key: th
 program's text, its devices and compile options), until :func:`forget` drops it, as
 :meth:`conformance.core.scope.Scope.release` does. Nothing is ever read back.
 
-A release between groups of tests on another mesh need not drop the programs that run
-on one device: no mesh shapes them, so later groups compile the very same ones again
-(jax's one-operation programs, which ``jax.clear_caches`` forgets, and the checks'
-one-device references), and each holds only a few memory mappings.
+A release between groups of tests (another mesh, layout or family) need not drop the
+programs that run on one device: no mesh shapes them, so later groups compile the very
+same ones again (jax's one-operation programs, which ``jax.clear_caches`` forgets, and
+the checks' one-device references), and each holds only a few memory mappings.
 ``forget(keep_one_device=True)`` keeps them.
 
 jax has no public hook for this: :func:`install` wraps the function jax 0.12 compiles

@@ -88,23 +88,16 @@ class Scope:
             memo[key] = factory(*args, **kwargs)
         return memo[key]
 
-    def release(
-        self,
-        *,
-        keep_results: bool = False,
-        keep_programs: bool = False,
-        keep_one_device: bool = True,
-    ) -> None:
+    def release(self, *, keep_results: bool = False, keep_programs: bool = False) -> None:
         """Drop everything built in this scope and every executable held for reuse.
 
         That is jax's caches and :mod:`~conformance.core.programs`' live executables,
         but for those that run on one device while the process holds fewer memory
-        mappings than :func:`mapping_budget` (unless ``keep_one_device`` is false): no
-        mesh shapes them, so later scopes run the same ones. jax's caches are
-        process-wide, so programs compiled outside this scope are recompiled on their
-        next call; nothing is lost but time. With ``keep_results``, the values of
-        :func:`kept` factories stay; with ``keep_programs``, every live executable stays
-        while under the budget.
+        mappings than :func:`mapping_budget`: no mesh shapes them, so later scopes run
+        the same ones. jax's caches are process-wide, so programs compiled outside this
+        scope are recompiled on their next call; nothing is lost but time. With
+        ``keep_results``, the values of :func:`kept` factories stay; with
+        ``keep_programs``, every live executable stays while under the budget.
         """
         self._memo.clear()
         if not keep_results:
@@ -112,7 +105,7 @@ class Scope:
         budget, mappings = mapping_budget(), mapping_count()
         within = budget is None or (mappings or 0) < budget
         if not (keep_programs and within):
-            programs.forget(keep_one_device=keep_one_device and within)
+            programs.forget(keep_one_device=within)
         jax.clear_caches()
         gc.collect()
 
@@ -141,9 +134,9 @@ def current() -> Scope:
     return _ACTIVE.get()
 
 
-def release(*, keep_results: bool = False, keep_one_device: bool = True) -> None:
+def release(*, keep_results: bool = False) -> None:
     """Release the innermost active scope: see :meth:`Scope.release`."""
-    current().release(keep_results=keep_results, keep_one_device=keep_one_device)
+    current().release(keep_results=keep_results)
 
 
 def mapping_count() -> int | None:

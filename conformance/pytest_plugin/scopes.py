@@ -23,12 +23,9 @@ class ScopePerGroup:
     A group whose programs alone pass half of the kernel's mapping limit
     (``vm.max_map_count``: :func:`~conformance.core.scope.mapping_budget`) is released
     early, between two of its tests: its later tests recompile what they share, and the
-    run does not crash. Host results (:func:`~conformance.core.scope.kept`, such as
-    one-device references) and the programs that run on one device stay while the
-    family and layout stay, so each is computed and compiled once per family and
-    layout. Tests come ordered by family and layout, so no later group runs a model's
-    one-device programs again; the one-operation programs that recur are cheap to
-    compile, while a family's references would fill the mapping budget.
+    run does not crash. Host results
+    (:func:`~conformance.core.scope.kept`, such as one-device references) stay while the
+    family and layout stay, so each is computed once per family and layout.
     """
 
     def __init__(self) -> None:
@@ -50,7 +47,7 @@ class ScopePerGroup:
             if group is not None and group != following:
                 self.releases += 1
                 same_layout = following is not None and following[:2] == group[:2]
-                scope.release(keep_results=same_layout, keep_one_device=same_layout)
+                scope.release(keep_results=same_layout)
             elif self.budget is not None and mappings > self.budget:
                 self.early += 1
                 scope.release(keep_results=True)
