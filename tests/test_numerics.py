@@ -82,6 +82,18 @@ def test_the_report_says_what_its_errors_cover_and_what_the_tie_break_accepted()
     assert "the tie-break accepted 2 more elements outside tolerance" in text
 
 
+def test_spread_accepts_only_what_the_second_side_moves_by_itself():
+    tol = Tolerance(1e-5, 0.0)
+    first = np.array([1.0, 1.0, 1.0])
+    second = np.array([1.1, 1.5, 1.00002])
+    spread = np.array([1.2, 1.5, 1.0])  # the second side computed in another order
+    found = compare_arrays("x", first, second, tol, spread=spread)
+    assert (found.count, found.spread_covered, found.index) == (1, 2, (1,))
+    assert "2 more elements outside tolerance were within NNX's own spread" in found.describe()
+    assert compare_arrays("x", first, second, tol, spread=second) is not None
+    assert compare_trees({"x": first}, {"x": second}, tol, spread={"x": spread})[0].count == 1
+
+
 def test_shape_mismatch_is_reported():
     found = compare_arrays("x", np.zeros((2, 3)), np.zeros((3, 2)))
     assert found is not None

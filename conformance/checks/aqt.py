@@ -83,7 +83,7 @@ def check_aqt_forward(case: Case) -> None:
     title = f"AQT int8 TRAIN forward on mesh {case.mesh.id} (index: batch, position, vocab)"
     message = quantized_forwards(
         title,
-        (linen, nnx_),
+        (linen.name, nnx_.name),
         (linen_logits, nnx_logits),
         float_logits,
         (rerun(linen), rerun(nnx_)),

@@ -37,7 +37,7 @@ from conformance.core.trees import Flat, LeafSpec, PathMapError, check_bijection
 from conformance.runtime.backends import TransplantError
 from conformance.runtime.case import Case
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
-from conformance.runtime.diagnose.attribution import Pair, attribution_text
+from conformance.runtime.diagnose.attribution import Pair, attribution_text, noise_masked
 from conformance.runtime.sides import Side, live_pair
 from conformance.runtime.stepping import StepResult, Training
 
@@ -200,15 +200,18 @@ Rerun = Callable[[Flat], Any]
 
 
 def nudged_reruns(
-    reruns: tuple[Rerun, Rerun], float_params: tuple[Flat, Flat]
+    reruns: tuple[Rerun | None, Rerun | None], float_params: tuple[Flat | None, Flat | None]
 ) -> tuple[list[Any], list[Any]]:
     """Each side's quantized results from its float parameters nudged by one ulp.
 
     One result per seed of :data:`~conformance.core.rounding.NUDGE_SEEDS`: the same
-    programs as the compared run, so nothing new is compiled.
+    programs as the compared run, so nothing new is compiled. A side without a rerun (a
+    recording) has none.
     """
     first, second = (
-        [rerun(one_ulp_nudge(params, seed)) for seed in NUDGE_SEEDS]
+        []
+        if rerun is None or params is None
+        else [rerun(one_ulp_nudge(params, seed)) for seed in NUDGE_SEEDS]
         for rerun, params in zip(reruns, float_params, strict=True)
     )
     return first, second
@@ -216,20 +219,20 @@ def nudged_reruns(
 
 def quantized_forwards(
     title: str,
-    sides: tuple[Side, Side],
+    names: tuple[str, str],
     logits: tuple[Any, Any],
     float_logits: tuple[Any, Any],
-    reruns: tuple[Rerun, Rerun],
-    float_params: tuple[Flat, Flat],
+    reruns: tuple[Rerun | None, Rerun | None],
+    float_params: tuple[Flat | None, Flat | None],
 ) -> str | None:
     """The report of two quantized forwards disagreeing under the quantization-aware policy.
 
     ``logits`` must agree under the float policy, or differ by float rounding carried
     across quantization steps (:func:`~conformance.core.rounding.rounding_verdict`,
     judged from the ``float_logits`` of the same parameters and each side's ``reruns``
-    from nudged ``float_params``). A report says what the float forwards show.
+    from nudged ``float_params``; a side that cannot be rerun, a recording, gives
+    ``None`` for both). A report says what the float forwards show.
     """
-    names = (sides[0].name, sides[1].name)
     found = compare_arrays("logits", *logits)
     verdict = None
     if found is not None:
@@ -377,16 +380,25 @@ def step_disagreement(
     reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
     figure: str = "",
     series: str = "",
+    spread: Callable[[], StepResult] | None = None,
 ) -> str | None:
     """The report of two steps' ``(state, loss, grads)`` disagreeing, or ``None``.
 
     Emits the error of each leaf group (:func:`leaf_group`) as a measurement of
     ``figure`` (default ``what``), line ``series`` (default ``what``). With ``case`` and
     ``reference`` (the same two steps on one device, computed only on failure), the
-    report says which side computes differently when partitioned.
+    report says which side computes differently when partitioned. With ``spread`` (the
+    second step computed again in another order, only on failure), the steps are
+    compared again leaf by leaf: an updated parameter whose gradient is rounding noise
+    on both sides (:func:`~conformance.runtime.diagnose.attribution.noise_masked`) and
+    an element within the second side's own spread
+    (:func:`~conformance.core.numerics.compare_arrays`) pass.
     """
     pair = (step_tree(first), step_tree(second))
     mismatches = compare_trees(*pair)
+    if mismatches and spread is not None:
+        pair = (pair[0], noise_masked(*pair)[0])
+        mismatches = compare_trees(*pair, spread=step_tree(spread()))
     if listening():
         for group, (a, b) in _by_group(*pair).items():
             found = [m for m in mismatches if leaf_group(m.path) == group]

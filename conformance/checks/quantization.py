@@ -127,7 +127,7 @@ def check_quant_forward(case: Case) -> None:
     title = f"{quant} forward on mesh {case.mesh.id} (index: batch, position, vocab)"
     message = quantized_forwards(
         title,
-        (linen, nnx_),
+        (linen.name, nnx_.name),
         (linen_logits, nnx_logits),
         float_logits,
         (rerun(linen, floats[0]), rerun(nnx_, floats[1])),

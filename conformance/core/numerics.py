@@ -65,6 +65,10 @@ class Mismatch:
     accepted: int = 0
     """Elements outside tolerance that the tie-break accepted (the second side no
     farther from the reference than the first); not counted in ``count``."""
+    spread_covered: int = 0
+    """Elements outside tolerance within the second side's own spread (the sides differ
+    there by no more than the tolerance plus how far the second side moves when computed
+    in another order); not counted in ``count``."""
     missing_on: int | None = None
     """0 or 1 when the leaf exists on the other side only; no values were compared."""
     shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
@@ -99,6 +103,11 @@ class Mismatch:
                 f"\n    the tie-break accepted {self.accepted} more elements outside tolerance "
                 f"({b} no farther from the reference than {a})"
             )
+        if self.spread_covered:
+            text += (
+                f"\n    {self.spread_covered} more elements outside tolerance were within "
+                f"{b}'s own spread (how far it moves when computed in another order)"
+            )
         return text
 
 
@@ -112,13 +121,18 @@ def compare_arrays(
     second: Any,
     tolerance: Tolerance | None = None,
     reference: Any | None = None,
+    spread: Any | None = None,
 ) -> Mismatch | None:
     """Compare two arrays elementwise; ``None`` if they agree, else the :class:`Mismatch`.
 
     ``tolerance`` defaults to the policy for the two dtypes. With ``reference`` (a more
     precise result of the same computation), an element outside tolerance is still
     accepted when the second side is no farther from the reference than the first one:
-    the policy's tie-break for low-precision dtypes (README, "Tolerances").
+    the policy's tie-break for low-precision dtypes (README, "Tolerances"). With
+    ``spread`` (the second side's result computed again in another order, such as
+    partitioned), an element outside tolerance is accepted when the sides differ there
+    by at most the tolerance plus ``|second - spread|``: by no more than rounding moves
+    the second side itself (README, "Tolerances").
     """
     a, b = host_array(first), host_array(second)
     tol = tolerance or tolerance_for(a.dtype, b.dtype)
@@ -148,6 +162,13 @@ def compare_arrays(
         farther = np.abs(b64 - ref) > np.abs(a64 - ref)
         accepted = int((bad & ~farther).sum())
         bad &= farther
+    covered = 0
+    if spread is not None and bad.any():
+        own = np.abs(b64 - _as_f64(spread))
+        with np.errstate(invalid="ignore"):
+            within = finite & (diff <= tol.atol + tol.rtol * np.abs(b64) + own)
+        covered = int((bad & within).sum())
+        bad &= ~within
     if not bad.any():
         return None
     zero = finite & (b64 == 0)
@@ -171,6 +192,7 @@ def compare_arrays(
         reason=reason,
         zeros=int((bad & zero).sum()),
         accepted=accepted,
+        spread_covered=covered,
     )
 
 
@@ -179,11 +201,13 @@ def compare_trees(
     second: Mapping[str, Any],
     tolerance: Tolerance | None = None,
     reference: Mapping[str, Any] | None = None,
+    spread: Mapping[str, Any] | None = None,
 ) -> list[Mismatch]:
     """Compare two flat trees with the same paths; one :class:`Mismatch` per failing leaf.
 
     The trees must have the same paths (check structure first); a path on one side only
-    is reported as a mismatch, never skipped.
+    is reported as a mismatch, never skipped. ``reference`` and ``spread`` are trees of
+    :func:`compare_arrays`'s arguments of those names, by path.
     """
     mismatches = []
     for path in sorted(set(first) | set(second)):
@@ -204,7 +228,8 @@ def compare_trees(
             )
             continue
         ref = None if reference is None else reference.get(path)
-        found = compare_arrays(path, first[path], second[path], tolerance, ref)
+        own = None if spread is None else spread.get(path)
+        found = compare_arrays(path, first[path], second[path], tolerance, ref, own)
         if found is not None:
             mismatches.append(found)
     return mismatches
