@@ -161,6 +161,14 @@ def _partitioned(side: Side, case: Case) -> Side:
     return side.on(side.case.on(case.mesh, case.devices))
 
 
+def _beyond_spread(side: Side, case: Case, what: str) -> str:
+    """The line a failure compared within ``side``'s own spread ends with."""
+    return (
+        f"compared again with {side.name}'s own spread ({what} partitioned on mesh "
+        f"{case.mesh.id}): these elements differ by more than rounding moves them"
+    )
+
+
 def check_recorded_forward(case: Case, backend: str, recorded: str, references: Path) -> None:
     """The live forward from the recorded parameters equals the recorded logits.
 
@@ -189,9 +197,8 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
             found = compare_arrays("logits", expected, logits, tol, precise, spread_logits)
         emit_verdict(title, "logits", expected, logits, found, names=names, tolerance=tol)
         if found is not None:
-            _failed(
-                live, reference, report(f"{title} (index: batch, position, vocab)", [found], names)
-            )
+            text = report(f"{title} (index: batch, position, vocab)", [found], names)
+            _failed(live, reference, f"{text}\n  {_beyond_spread(live, case, 'the same forward')}")
 
 
 def _recorded_steps(
@@ -247,13 +254,8 @@ def _step_parity(
         names = (reference.name, live.name)
         message = step_disagreement(title, want, got, names, spread=functools.partial(spread, step))
         if message is not None:
-            _failed(
-                live,
-                reference,
-                f"{message}\n  compared again with {live.name}'s own spread (the same steps "
-                f"partitioned on mesh {case.mesh.id}) and Adam's rounding-noise steps set "
-                "aside: these elements differ by more than rounding moves them",
-            )
+            spread_note = _beyond_spread(live, case, "the same steps")
+            _failed(live, reference, f"{message}\n  Adam's noise steps set aside, {spread_note}")
 
 
 def check_recorded_train_step(case: Case, backend: str, recorded: str, references: Path) -> None:
