@@ -53,8 +53,14 @@ class RoundsAndQuantizesOnlyFirstNnxBlock(LlamaFamily):
 
 
 def _rounding_jax_attention(self, *args):
-    """NNX attention through ``jax.nn.dot_product_attention`` (a benign variant's)."""
-    return jax_attention(self, *args)
+    """NNX attention through ``jax.nn.dot_product_attention`` (a benign variant's), an ulp off.
+
+    Whether that attention rounds differently from the built-in one depends on the CPU
+    XLA compiles for (on a 2-core AMD EPYC with AVX2 the float forwards agreed bitwise);
+    scaling its output by ``1 + eps`` makes them differ by rounding on every machine.
+    """
+    out = jax_attention(self, *args)
+    return out * (1 + jnp.finfo(out.dtype).eps)
 
 
 _how_to_quantize = qwix_dot_general.get_how_to_quantize
