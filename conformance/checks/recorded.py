@@ -155,8 +155,9 @@ def _partitioned(side: Side, case: Case) -> Side:
 
     What it computes there beside what it computes on one device is the live side's own
     spread (:func:`~conformance.core.numerics.compare_arrays`): XLA compiles for the
-    machine it runs on, so an element whose value rounding decides differs from a
-    recording made on another machine by about as much as it moves when partitioned.
+    machine it runs on, so an element the live side does not compute the same way twice
+    may differ from a recording made on another machine by about as much. Whether the
+    live side agrees with itself is ``sharding_invariance``'s question.
     """
     return side.on(side.case.on(case.mesh, case.devices))
 
@@ -230,9 +231,9 @@ def _step_parity(
     Only step 1 compares the whole state (the recording keeps no other). A step that
     disagrees is compared again with the same steps run partitioned on ``case``'s mesh
     (:func:`~conformance.checks.kernel.step_disagreement`'s ``spread``): XLA compiles
-    for the machine it runs on, so an element whose value rounding decides (an
-    ill-conditioned sum, a parameter Adam moves by its gradient's sign) differs from a
-    recording made elsewhere by as much as it moves when its sums are reordered here.
+    for the machine it runs on, so an element the live side does not compute the same way
+    twice (an ill-conditioned sum, a parameter Adam moves by its gradient's sign) may
+    differ from a recording made elsewhere by as much as its own runs differ here.
     """
     batch = live.case.place(reference.batch())
     recorded = _recorded_steps(reference, first, _persistent(live))
