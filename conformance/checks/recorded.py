@@ -16,7 +16,8 @@ A recording made on another machine rounds differently (XLA compiles for the hos
 CPU), so a comparison that fails the policy is made again within the live side's own
 spread: what it computes partitioned on the case's mesh (:func:`_partitioned`), and for
 quantized logits the quantization-aware policy with the recorded float32 logits as the
-recording's float twin. Only elements that rounding moves that far pass.
+recording's float twin. Only what the live side's own runs disagree about (or, quantized,
+what rounding explains) passes.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ def _beyond_spread(side: Side, case: Case, what: str) -> str:
     """The line a failure compared within ``side``'s own spread ends with."""
     return (
         f"compared again with {side.name}'s own spread ({what} partitioned on mesh "
-        f"{case.mesh.id}): these elements differ by more than rounding moves them"
+        f"{case.mesh.id}): these elements differ by more than its own runs do"
     )
 
 

@@ -131,8 +131,8 @@ def compare_arrays(
     the policy's tie-break for low-precision dtypes (README, "Tolerances"). With
     ``spread`` (the second side's result computed again in another order, such as
     partitioned), an element outside tolerance is accepted when the sides differ there
-    by at most the tolerance plus ``|second - spread|``: by no more than rounding moves
-    the second side itself (README, "Tolerances").
+    by at most the tolerance plus ``|second - spread|``: by no more than the second side
+    differs from itself (README, "Tolerances").
     """
     a, b = host_array(first), host_array(second)
     tol = tolerance or tolerance_for(a.dtype, b.dtype)
