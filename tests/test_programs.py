@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conformance.core import programs, scope
 from conformance.core.scope import Scope
@@ -101,3 +102,93 @@ def test_counts_of_two_processes_add_up_and_share_their_distinct_programs():
     second = programs.Counts(compiled=2, reused=4, distinct={"b", "d"})
     first.add(second.as_data())
     assert (first.compiled, first.reused, first.distinct) == (5, 5, {"a", "b", "c", "d"})
+
+
+class _Store:
+    """The run's key-value store, as jax's distributed client offers it."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+        if key not in self.values:
+            raise jax.errors.JaxRuntimeError(f"DEADLINE_EXCEEDED: {key} after {timeout_in_ms} ms")
+        return self.values[key]
+
+
+class _Backend:
+    def serialize_executable(self, executable):
+        return executable.encode()
+
+    def deserialize_executable(self, data, devices, options, callbacks):
+        return f"received {data.decode()}"
+
+
+class _Device:
+    def __init__(self, id, process_index):
+        self.id, self.process_index = id, process_index
+
+
+TWO_PROCESSES = np.array([_Device(i, i // 4) for i in range(8)])
+
+
+def _sharing(monkeypatch, process):
+    """``_shared`` as process ``process`` of two would call it, and the store behind it."""
+    store = _Store()
+    monkeypatch.setattr(programs, "_SHARING", {"client": store, "timeout_ms": 10})
+    monkeypatch.setattr(programs, "_shared_key", lambda *args: "program")
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    monkeypatch.setattr(programs, "COUNTS", programs.Counts())
+    args = (_Backend(), None, TWO_PROCESSES, None, ())
+
+    def shared(compile_fn):
+        return programs._shared(compile_fn, args, None, None, 0)
+
+    return shared, store
+
+
+def test_a_program_over_two_processes_is_compiled_by_the_process_of_its_first_device():
+    assert programs._compiling_process(TWO_PROCESSES[::-1]) == 0
+    assert programs._compiling_process(TWO_PROCESSES[4:]) is None
+    assert programs._compiling_process(None) is None
+
+
+def test_the_compiling_process_publishes_what_it_compiled(monkeypatch):
+    shared, store = _sharing(monkeypatch, process=0)
+    assert shared(lambda *args: "executable") == "executable"
+    assert programs.COUNTS.compiled == 1
+    assert programs.zlib.decompress(store.values["conformance/programs/program"]) == b"executable"
+
+
+def test_another_process_receives_the_program_instead_of_compiling_it(monkeypatch):
+    shared, store = _sharing(monkeypatch, process=1)
+    store.values["conformance/programs/program"] = programs.zlib.compress(b"executable")
+
+    def never(*args):
+        raise AssertionError("compiled although the program was published")
+
+    assert shared(never) == "received executable"
+    assert (programs.COUNTS.compiled, programs.COUNTS.received) == (0, 1)
+
+
+def test_a_program_not_published_in_time_is_compiled_where_it_is_needed(monkeypatch):
+    shared, _ = _sharing(monkeypatch, process=1)
+    assert shared(lambda *args: "compiled here") == "compiled here"
+
+
+def test_a_compile_that_failed_is_repeated_by_the_others_so_each_reports_it(monkeypatch):
+    shared, store = _sharing(monkeypatch, process=0)
+
+    def fails(*args):
+        raise ValueError("XLA cannot compile this")
+
+    with pytest.raises(ValueError, match="cannot compile"):
+        shared(fails)
+    assert store.values["conformance/programs/program"] == programs._FAILED
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with pytest.raises(ValueError, match="cannot compile"):
+        shared(fails)

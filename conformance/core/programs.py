@@ -19,12 +19,20 @@ jax has no public hook for this: :func:`install` wraps the function jax 0.12 com
 every program through (``jax._src.compiler.compile_or_get_cached``), after checking its
 signature, and says so in :func:`summary`. Programs with host callbacks are not shared
 (their callbacks are bound when they are compiled).
+
+In a multi-controller run every process compiles the same programs. After
+:func:`share_between_processes`, a program whose devices span processes is compiled by
+one of them (the process of its first device, as jax's own
+``jax_share_binary_between_hosts`` does) and handed to the others through the run's
+key-value store, serialized; a process that cannot get it in time compiles it itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,20 +52,30 @@ _PARAMETERS = (
 
 @dataclasses.dataclass
 class Counts:
-    """What the process compiled: programs compiled, distinct programs, compiles saved."""
+    """What the process compiled: programs compiled, distinct programs, compiles saved.
+
+    ``received``: programs another process of a multi-controller run compiled for this one.
+    """
 
     compiled: int = 0
     reused: int = 0
+    received: int = 0
     distinct: set[str] = dataclasses.field(default_factory=set)
 
     def as_data(self) -> dict[str, Any]:
         """The counts as plain data, for another process to :meth:`add`."""
-        return {"compiled": self.compiled, "reused": self.reused, "distinct": sorted(self.distinct)}
+        return {
+            "compiled": self.compiled,
+            "reused": self.reused,
+            "received": self.received,
+            "distinct": sorted(self.distinct),
+        }
 
     def add(self, data: Mapping[str, Any]) -> None:
         """Count another process's :meth:`as_data` in: a program both compiled is one distinct."""
         self.compiled += data["compiled"]
         self.reused += data["reused"]
+        self.received += data.get("received", 0)
         self.distinct.update(data["distinct"])
 
 
@@ -65,6 +83,10 @@ COUNTS = Counts()
 _LIVE: dict[str, tuple[Any, bool]] = {}
 """``{cache key: (executable, runs on one device)}``."""
 _STATE = {"installed": False, "refused": ""}
+_SHARING: dict[str, Any] = {}
+"""``{"client": jax's distributed client, "timeout_ms": int}`` once sharing is on."""
+_FAILED = b""
+"""What the compiling process publishes for a program it could not compile."""
 
 
 def _key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
@@ -97,12 +119,92 @@ def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
         if (live := _LIVE.get(key)) is not None:
             COUNTS.reused += 1
             return live[0]
-        COUNTS.compiled += 1
-        executable = compile_fn(*args, executable_devices, pgle_profiler)
+        if _SHARING and (compiler := _compiling_process(devices)) is not None:
+            executable = _shared(compile_fn, args, executable_devices, pgle_profiler, compiler)
+        else:
+            COUNTS.compiled += 1
+            executable = compile_fn(*args, executable_devices, pgle_profiler)
         _LIVE[key] = (executable, _one_device(devices))
         return executable
 
     return compile_or_reuse
+
+
+def _compiling_process(devices: Any) -> int | None:
+    """The process that compiles a program on ``devices`` for all, if they span processes."""
+    if devices is None:
+        return None
+    flat = list(np.ravel(devices))
+    if len({d.process_index for d in flat}) < 2:
+        return None
+    return min(flat, key=lambda d: d.id).process_index
+
+
+def _shared_key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
+    """A program's cache key as jax computes it, but the same in every process.
+
+    jax's key hashes the devices' topology, whose fingerprint differs between the
+    processes of a CPU run (jax 0.12); this one hashes the devices' global ids instead.
+    """
+    from jax._src import cache_key
+
+    digest = hashlib.sha256()
+    cache_key._hash_computation(digest, computation, False)
+    cache_key._hash_platform(digest, backend)
+    cache_key._hash_xla_flags(digest, cache_key.get_flag_prefixes())
+    cache_key._hash_serialized_compile_options(digest, options)
+    digest.update(np.asarray([d.id for d in np.ravel(devices)], np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def _shared(
+    compile_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    executable_devices: Any,
+    pgle_profiler: Any,
+    compiler: int,
+) -> Any:
+    """Compile and publish the program (on ``compiler``), or receive it from there."""
+    import jax
+
+    backend, computation, devices, compile_options, host_callbacks = args
+    client = _SHARING["client"]
+    name = f"conformance/programs/{_shared_key(backend, computation, devices, compile_options)}"
+    if jax.process_index() == compiler:
+        COUNTS.compiled += 1
+        try:
+            executable = compile_fn(*args, executable_devices, pgle_profiler)
+        except Exception:
+            client.key_value_set_bytes(name, _FAILED, allow_overwrite=True)
+            raise
+        data = zlib.compress(backend.serialize_executable(executable), 1)
+        client.key_value_set_bytes(name, data, allow_overwrite=True)
+        return executable
+    try:
+        data = client.blocking_key_value_get_bytes(name, _SHARING["timeout_ms"])
+    except jax.errors.JaxRuntimeError:  # not published in time
+        data = _FAILED
+    if data == _FAILED:
+        COUNTS.compiled += 1
+        return compile_fn(*args, executable_devices, pgle_profiler)
+    COUNTS.received += 1
+    return backend.deserialize_executable(
+        zlib.decompress(data), executable_devices, compile_options, host_callbacks
+    )
+
+
+def share_between_processes(timeout_s: float) -> None:
+    """In a multi-controller run, compile each program that spans processes only once.
+
+    The process of a program's first device compiles it and publishes it in the run's
+    key-value store; the others wait for it (at most ``timeout_s``, then compile it
+    themselves, as they do when its compile failed there). Call after
+    ``jax.distributed.initialize`` and :func:`install`; with one process it does nothing.
+    """
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        _SHARING.update(client=distributed.global_state.client, timeout_ms=int(timeout_s * 1000))
 
 
 def install() -> bool:
@@ -138,7 +240,8 @@ def summary() -> str:
     if not _STATE["installed"]:
         return f"compiles not deduplicated: {_STATE['refused'] or 'not installed'}"
     distinct = len(COUNTS.distinct)
+    received = f"; {COUNTS.received} received from another process" if COUNTS.received else ""
     return (
         f"{COUNTS.compiled} programs compiled, {distinct} distinct "
-        f"({COUNTS.reused} compiles of an identical live program saved)"
+        f"({COUNTS.reused} compiles of an identical live program saved{received})"
     )

@@ -214,6 +214,8 @@ def configure(config: pytest.Config, tier: Tier) -> None:
     set_xla_opt(xla_opt)
     set_matmul_precision()
     programs.install()
+    if cluster is not None:
+        programs.share_between_processes(cluster.timeout_s)
     meshes = options.value(config, "mesh")
     try:
         builtin = bool(config.getini("conformance_builtin_families"))
