@@ -140,13 +140,12 @@ def _sharing(monkeypatch, process):
     """``_shared`` as process ``process`` of two would call it, and the store behind it."""
     store = _Store()
     monkeypatch.setattr(programs, "_SHARING", {"client": store, "timeout_ms": 10})
-    monkeypatch.setattr(programs, "_shared_key", lambda *args: "program")
     monkeypatch.setattr(jax, "process_index", lambda: process)
     monkeypatch.setattr(programs, "COUNTS", programs.Counts())
     args = (_Backend(), None, TWO_PROCESSES, None, ())
 
     def shared(compile_fn):
-        return programs._shared(compile_fn, args, None, None, 0)
+        return programs._shared(compile_fn, args, None, None, "program", 0)
 
     return shared, store
 

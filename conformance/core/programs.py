@@ -90,9 +90,21 @@ _FAILED = b""
 
 
 def _key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
+    """A program's cache key as jax computes it, but the same in every process.
+
+    jax's key hashes the devices' topology, whose fingerprint differs between the
+    processes of a CPU run (jax 0.12); this one hashes the devices' global ids instead,
+    so that a multi-controller run can name a program it shares between processes.
+    """
     from jax._src import cache_key
 
-    return cache_key.get(computation, devices, options, backend)
+    digest = hashlib.sha256()
+    cache_key._hash_computation(digest, computation, False)
+    cache_key._hash_platform(digest, backend)
+    cache_key._hash_xla_flags(digest, cache_key.get_flag_prefixes())
+    cache_key._hash_serialized_compile_options(digest, options)
+    digest.update(np.asarray([d.id for d in np.ravel(devices)], np.int64).tobytes())
+    return digest.hexdigest()
 
 
 def _one_device(devices: Any) -> bool:
@@ -120,7 +132,7 @@ def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
             COUNTS.reused += 1
             return live[0]
         if _SHARING and (compiler := _compiling_process(devices)) is not None:
-            executable = _shared(compile_fn, args, executable_devices, pgle_profiler, compiler)
+            executable = _shared(compile_fn, args, executable_devices, pgle_profiler, key, compiler)
         else:
             COUNTS.compiled += 1
             executable = compile_fn(*args, executable_devices, pgle_profiler)
@@ -140,36 +152,20 @@ def _compiling_process(devices: Any) -> int | None:
     return min(flat, key=lambda d: d.id).process_index
 
 
-def _shared_key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
-    """A program's cache key as jax computes it, but the same in every process.
-
-    jax's key hashes the devices' topology, whose fingerprint differs between the
-    processes of a CPU run (jax 0.12); this one hashes the devices' global ids instead.
-    """
-    from jax._src import cache_key
-
-    digest = hashlib.sha256()
-    cache_key._hash_computation(digest, computation, False)
-    cache_key._hash_platform(digest, backend)
-    cache_key._hash_xla_flags(digest, cache_key.get_flag_prefixes())
-    cache_key._hash_serialized_compile_options(digest, options)
-    digest.update(np.asarray([d.id for d in np.ravel(devices)], np.int64).tobytes())
-    return digest.hexdigest()
-
-
 def _shared(
     compile_fn: Callable[..., Any],
     args: tuple[Any, ...],
     executable_devices: Any,
     pgle_profiler: Any,
+    key: str,
     compiler: int,
 ) -> Any:
     """Compile and publish the program (on ``compiler``), or receive it from there."""
     import jax
 
-    backend, computation, devices, compile_options, host_callbacks = args
+    backend, _, _, compile_options, host_callbacks = args
     client = _SHARING["client"]
-    name = f"conformance/programs/{_shared_key(backend, computation, devices, compile_options)}"
+    name = f"conformance/programs/{key}"
     if jax.process_index() == compiler:
         COUNTS.compiled += 1
         try:
