@@ -5,8 +5,8 @@ an equal config, a float and a quantized model whose initialisers are the same
 computation, the same train-state constructor of two trainers. Its persistent cache
 would deduplicate them by content, but through files it reads back and deserializes.
 :func:`install` deduplicates in memory instead: while a program's executable is live
-it is handed to every later compile of the same program (jax's own cache key: the
-program's text, its devices and compile options), until :func:`forget` drops it, as
+it is handed to every later compile of the same program (jax's cache key: the
+program's text, its devices' ids and compile options), until :func:`forget` drops it, as
 :meth:`conformance.core.scope.Scope.release` does. Nothing is ever read back.
 
 A release between groups of tests (another mesh, layout or family) need not drop the
