@@ -8,6 +8,7 @@ from conformance.core.numerics import (
     compare_trees,
     tolerance_for,
 )
+from conformance.core.rounding import within_sensitivity
 
 
 def test_equal_arrays_agree():
@@ -120,3 +121,23 @@ def test_an_exact_zero_on_the_other_side_has_no_relative_error():
     assert "max rel=1.000e+00 (2 where NNX is exactly 0: no relative error there)" in text
     only_zero = compare_arrays("grads/bias", np.array([1e-3]), np.array([0.0]))
     assert "max rel=none (1 where NNX is exactly 0" in only_zero.describe()
+
+
+def test_within_sensitivity_accepts_only_what_a_nudge_moves_there():
+    expected = {"grads/w": np.array([1.0, 2.0, 3.0, 4.0], np.float32), "step": np.array(1)}
+    moved = [
+        {"grads/w": np.array([1.0, 2.0 + 1e-3, 3.0, 4.0], np.float32), "step": np.array(1)},
+        {"grads/w": np.array([1.0 + 1e-6, 2.0, 3.0, 4.0], np.float32), "step": np.array(1)},
+    ]
+    actual = {"grads/w": np.array([1.0, 2.0 + 1.5e-3, 3.0 + 1e-3, np.inf], np.float32)}
+    actual["step"] = np.array(2)
+    adjusted, replaced = within_sensitivity(expected, actual, moved)
+    assert replaced == 1
+    assert adjusted["grads/w"][1] == expected["grads/w"][1]
+    assert adjusted["step"] == 2
+    found = {m.path: m for m in compare_trees(expected, adjusted)}
+    assert found.keys() == {"grads/w", "step"}
+    assert found["grads/w"].count == 2
+    assert found["grads/w"].index == (3,)
+    twice = {"grads/w": np.array([1.0, 2.0 + 2.5e-3, 3.0, 4.0], np.float32)}
+    assert within_sensitivity(expected, twice, moved)[1] == 0

@@ -8,6 +8,18 @@ updated parameter elements whose gradient is rounding noise on both runs
 (:func:`~conformance.runtime.diagnose.attribution.noise_masked`: Adam turns that noise
 into a full step). The one-device results are kept on the host and computed once per
 family and config.
+
+A partitioned program sums in another order than the one-device one, and where a sum
+cancels, or a value sits on a rounding boundary, that moves a result by far more than
+the policy's relative tolerance of the result itself. So when the comparison fails, the
+one-device run is repeated from its parameters nudged by one ulp (two seeds, the same
+programs), and an element within :data:`~conformance.core.rounding.SENSITIVITY_FACTOR`
+times how far those nudges move it is accepted
+(:func:`~conformance.core.rounding.within_sensitivity`); the report counts them. On a
+2-core AMD EPYC (AVX2), maxtext 0.2.4's Linen ``gpt3`` on ``data=2,fsdp=2,tensor=2``
+differs from one device in 2 of 4,096 elements of the token embedding's gradient, by
+2.1e-5 (2.4e-3 relative); a one-ulp nudge moves the one-device run there by exactly as
+much. A partitioning fault moves whole leaves, far beyond what a nudge does.
 """
 
 from __future__ import annotations
@@ -16,6 +28,12 @@ from conformance.checks.kernel import step_tree, train_pair
 from conformance.core.failure import fail
 from conformance.core.numerics import compare_trees, report
 from conformance.core.records import emit, listening, measure
+from conformance.core.rounding import (
+    NUDGE_SEEDS,
+    SENSITIVITY_FACTOR,
+    one_ulp_nudge,
+    within_sensitivity,
+)
 from conformance.core.scope import kept, scoped
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
@@ -46,6 +64,19 @@ def reference(case: Case) -> tuple[Flat, dict[str, Flat]]:
     return on_host(start), {backend: on_host(flat) for backend, flat in results.items()}
 
 
+def _nudged(one_device: Case, backend: str) -> list[Flat]:
+    """``backend``'s one-device results from the reference's parameters nudged by one ulp.
+
+    One tree per seed of :data:`~conformance.core.rounding.NUDGE_SEEDS`, computed by the
+    programs of the reference itself: nothing new is compiled.
+    """
+    start, _ = reference(one_device)
+    return [
+        on_host(_results(one_device, one_ulp_nudge(start, seed))[1][backend])
+        for seed in NUDGE_SEEDS
+    ]
+
+
 @scoped
 def _on_mesh(case: Case) -> dict[str, Flat]:
     start, _ = reference(case.on_one_device())
@@ -64,6 +95,11 @@ def check_sharding_invariance(case: Case, backend: str) -> None:
     _, expected = reference(case.on_one_device())
     actual, masked = noise_masked(expected[backend], _on_mesh(case)[backend])
     found = compare_trees(expected[backend], actual)
+    steady = 0
+    if found:
+        moved = _nudged(case.on_one_device(), backend)
+        actual, steady = within_sensitivity(expected[backend], actual, moved)
+        found = compare_trees(expected[backend], actual)
     names = ("one device", f"mesh {mesh.id}")
     if listening():
         title = f"{name} on mesh {mesh.id} against one device"
@@ -73,7 +109,8 @@ def check_sharding_invariance(case: Case, backend: str) -> None:
             f"{name} on mesh {mesh.id} against {name} on one device, from the same "
             "parameters and batch (forward logits, then one train step; "
             f"{masked} updated parameter element(s) with a gradient within atol of zero "
-            "not compared)"
+            f"not compared; {steady} element(s) within {SENSITIVITY_FACTOR:g}x of how far a "
+            "one-ulp nudge of the parameters moves the one-device run accepted)"
         )
         cause = rerun_differs([name], mesh) if mesh.size == 1 else _partitioned(name, mesh.id)
         fail(report(title, found, names) + f"\n  {cause}")

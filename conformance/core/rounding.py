@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from conformance.core.distributed import host_array
-from conformance.core.numerics import compare_trees
+from conformance.core.numerics import EXACT, compare_trees, tolerance_for
 
 ERROR_SPREAD = 0.02
 """The most two sides' errors against their own float results may differ in the rounding
@@ -81,6 +81,38 @@ def one_ulp_nudge(flat: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
             array = np.nextafter(array, target)
         nudged[path] = array
     return nudged
+
+
+def within_sensitivity(
+    expected: Mapping[str, Any], actual: Mapping[str, Any], moved: Sequence[Mapping[str, Any]]
+) -> tuple[dict[str, Any], int]:
+    """``actual`` with the elements that rounding alone can move there taken from ``expected``.
+
+    ``moved`` holds the computation of ``expected`` run again from its inputs nudged by one
+    ulp (:func:`one_ulp_nudge`, one tree per seed). An element of ``actual`` that differs
+    from ``expected`` by at most :data:`SENSITIVITY_FACTOR` times the most a nudge moves
+    ``expected`` there is replaced by the expected value, so that a later comparison
+    counts only what rounding does not explain; an element a nudge leaves unmoved, and a
+    non-finite one, keep their difference. Returns the adjusted tree and how many
+    differing elements it replaced.
+    """
+    adjusted, replaced = dict(actual), 0
+    for path, value in actual.items():
+        runs = [run[path] for run in moved if path in run]
+        if path not in expected or not runs:
+            continue
+        e, a = np.asarray(host_array(expected[path])), np.asarray(host_array(value))
+        if e.shape != a.shape or tolerance_for(e.dtype, a.dtype) == EXACT:
+            continue
+        e64, a64 = e.astype(np.float64), a.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            runs64 = [np.asarray(host_array(r), np.float64) for r in runs]
+            movement = np.max([np.abs(r - e64) for r in runs64], axis=0)
+            finite = np.isfinite(e64) & np.isfinite(a64) & np.isfinite(movement)
+            explained = finite & (np.abs(a64 - e64) <= SENSITIVITY_FACTOR * movement)
+        replaced += int((explained & (a != e)).sum())
+        adjusted[path] = np.where(explained, e, a).astype(a.dtype)
+    return adjusted, replaced
 
 
 @dataclasses.dataclass(frozen=True)
