@@ -5,7 +5,9 @@ import pytest
 
 from conformance import families
 from conformance.checks import invariance
+from conformance.core import programs
 from conformance.core.failure import CheckFailure
+from conformance.core.rounding import NUDGE_SEEDS
 from conformance.core.sharding import one_device, parse_mesh
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import attribute, attribution_text
@@ -135,8 +137,8 @@ def test_sharding_invariance_accepts_what_rounding_moves_and_nothing_more(
         return {**expected["nnx"], path: values}
 
     monkeypatch.setattr(invariance, "_on_mesh", lambda case: {"nnx": shifted(2.1e-5)})
-    moved = [shifted(2.1e-5 if nudge_moves_it else 0.0), expected["nnx"]]
-    monkeypatch.setattr(invariance, "_nudged", lambda case, backend: moved)
+    moved = [{"nnx": shifted(2.1e-5 if nudge_moves_it else 0.0)}, {"nnx": expected["nnx"]}]
+    monkeypatch.setattr(invariance, "nudged", lambda case: moved)
     if nudge_moves_it:
         invariance.check_sharding_invariance(case, "nnx")
         return
@@ -144,4 +146,20 @@ def test_sharding_invariance_accepts_what_rounding_moves_and_nothing_more(
         invariance.check_sharding_invariance(case, "nnx")
     text = str(caught.value)
     assert f"{path}: 1 of" in text
-    assert "0 element(s) within 2x of how far a one-ulp nudge of the parameters moves" in text
+    assert "0 element(s) accepted where a one-ulp nudge of the parameters moves" in text
+
+
+def test_the_nudged_one_device_runs_reuse_the_reference_programs():
+    mesh = parse_mesh("fsdp=1")
+    one = Case.of(families.get("llama"), "tiny", mesh=mesh, devices=mesh.devices())
+    _, expected = invariance.reference(one.on_one_device())
+    compiled = programs.COUNTS.compiled
+    runs = invariance.nudged(one.on_one_device())
+    assert programs.COUNTS.compiled == compiled
+    assert len(runs) == len(NUDGE_SEEDS)
+    for run in runs:
+        assert run.keys() == expected.keys()
+        for backend, flat in run.items():
+            assert flat.keys() == expected[backend].keys()
+    moved = [p for p, v in runs[0]["linen"].items() if not np.array_equal(v, expected["linen"][p])]
+    assert moved, "a one-ulp nudge of every parameter moves some result"

@@ -8,7 +8,7 @@ from conformance.core.numerics import (
     compare_trees,
     tolerance_for,
 )
-from conformance.core.rounding import within_sensitivity
+from conformance.core.rounding import nudge_covered
 
 
 def test_equal_arrays_agree():
@@ -123,21 +123,26 @@ def test_an_exact_zero_on_the_other_side_has_no_relative_error():
     assert "max rel=none (1 where NNX is exactly 0" in only_zero.describe()
 
 
-def test_within_sensitivity_accepts_only_what_a_nudge_moves_there():
+def test_nudge_covered_accepts_only_what_lies_where_a_nudge_moves_the_result():
     expected = {"grads/w": np.array([1.0, 2.0, 3.0, 4.0], np.float32), "step": np.array(1)}
     moved = [
         {"grads/w": np.array([1.0, 2.0 + 1e-3, 3.0, 4.0], np.float32), "step": np.array(1)},
         {"grads/w": np.array([1.0 + 1e-6, 2.0, 3.0, 4.0], np.float32), "step": np.array(1)},
     ]
-    actual = {"grads/w": np.array([1.0, 2.0 + 1.5e-3, 3.0 + 1e-3, np.inf], np.float32)}
-    actual["step"] = np.array(2)
-    adjusted, replaced = within_sensitivity(expected, actual, moved)
-    assert replaced == 1
+
+    def off(**at):
+        values = expected["grads/w"].copy()
+        for index, by in at.items():
+            values[int(index[1:])] += np.float32(by)
+        return {"grads/w": values, "step": np.array(2)}
+
+    adjusted, covered = nudge_covered(expected, off(i1=8e-4), moved)
+    assert covered == 1
     assert adjusted["grads/w"][1] == expected["grads/w"][1]
-    assert adjusted["step"] == 2
-    found = {m.path: m for m in compare_trees(expected, adjusted)}
-    assert found.keys() == {"grads/w", "step"}
-    assert found["grads/w"].count == 2
-    assert found["grads/w"].index == (3,)
-    twice = {"grads/w": np.array([1.0, 2.0 + 2.5e-3, 3.0, 4.0], np.float32)}
-    assert within_sensitivity(expected, twice, moved)[1] == 0
+    assert [m.path for m in compare_trees(expected, adjusted)] == ["step"]
+    adjusted, covered = nudge_covered(expected, off(i1=8e-4, i3=np.inf), moved)
+    assert covered == 0
+    assert compare_trees(expected, adjusted)[0].index == (3,)
+    assert nudge_covered(expected, off(i1=1.5e-3), moved)[1] == 0  # beyond the nudges
+    assert nudge_covered(expected, off(i1=-8e-4), moved)[1] == 0  # the other way
+    assert nudge_covered(expected, off(i1=8e-4, i0=3e-3), moved)[1] == 0  # the leaf moved more
