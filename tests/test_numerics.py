@@ -1,3 +1,4 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -8,7 +9,7 @@ from conformance.core.numerics import (
     compare_trees,
     tolerance_for,
 )
-from conformance.core.rounding import nudge_covered
+from conformance.core.rounding import nudge_covered, one_ulp_nudge
 
 
 def test_equal_arrays_agree():
@@ -146,3 +147,15 @@ def test_nudge_covered_accepts_only_what_lies_where_a_nudge_moves_the_result():
     assert nudge_covered(expected, off(i1=1.5e-3), moved)[1] == 0  # beyond the nudges
     assert nudge_covered(expected, off(i1=-8e-4), moved)[1] == 0  # the other way
     assert nudge_covered(expected, off(i1=8e-4, i0=3e-3), moved)[1] == 0  # the leaf moved more
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
+def test_one_ulp_nudge_moves_every_float_element_one_step(dtype):
+    values = jnp.asarray([1.0, -2.5, 0.0, 3.0], dtype)
+    nudged = one_ulp_nudge({"w": values, "count": np.arange(3)}, seed=0)
+    original = np.asarray(values)
+    assert nudged["w"].dtype == original.dtype
+    steps = [np.nextafter(original, np.asarray(t, original.dtype)) for t in (448.0, -448.0)]
+    assert np.all((nudged["w"] == steps[0]) | (nudged["w"] == steps[1]))
+    assert np.all(nudged["w"] != original)
+    np.testing.assert_array_equal(nudged["count"], np.arange(3))

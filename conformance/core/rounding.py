@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from conformance.core.distributed import host_array
@@ -68,6 +69,8 @@ def one_ulp_nudge(flat: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
     """``flat`` on the host with every floating-point element moved by one ulp.
 
     Each element moves up or down at random (from ``seed``); integer leaves are unchanged.
+    Every floating dtype jax has moves, bfloat16 and the float8 types included (toward the
+    dtype's largest finite value, not infinity, which some float8 types lack).
     The nudged values are as far from the originals as two float programs that round
     differently are from each other, so what a quantized program does with them is what
     rounding alone can do.
@@ -76,9 +79,10 @@ def one_ulp_nudge(flat: Mapping[str, Any], seed: int) -> dict[str, np.ndarray]:
     nudged = {}
     for path, value in sorted(flat.items()):
         array = np.asarray(host_array(value))
-        if np.issubdtype(array.dtype, np.floating):
+        if jnp.issubdtype(array.dtype, jnp.floating):
             up = rng.random(array.shape) < 0.5
-            target = np.where(up, np.inf, -np.inf).astype(array.dtype)
+            finfo = jnp.finfo(array.dtype)
+            target = np.where(up, finfo.max, finfo.min).astype(array.dtype)
             array = np.nextafter(array, target)
         nudged[path] = array
     return nudged
