@@ -25,10 +25,12 @@ from conformance.core.trees import flatten_state, specs, variable_kind
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
 from conformance.runtime.sides import NnxSide
+from conformance.runtime.sowing import outside_capture
 
 
 def _eager(model: nnx.Module, batch: Batch) -> Any:
-    logits = model(batch.tokens, batch.positions, batch.segment_ids)
+    with outside_capture():
+        logits = model(batch.tokens, batch.positions, batch.segment_ids)
     nnx.pop(model, nnx.Intermediate)
     return logits
 
@@ -39,7 +41,8 @@ def _jitted(model: nnx.Module, batch: Batch) -> Any:
 
 
 def _jitted_eval(model: nnx.Module, batch: Batch) -> Any:
-    logits = _jitted(model, batch)
+    with outside_capture():
+        logits = _jitted(model, batch)
     nnx.pop(model, nnx.Intermediate)
     return logits
 

@@ -19,6 +19,7 @@ from flax import nnx
 
 from conformance.contract import QuantScope
 from conformance.core.seams import seam
+from conformance.runtime.sowing import outside_capture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,8 @@ def quantize_nnx(
     that forward sowed (``nnx.Intermediate`` and the like) is removed, so the quantized
     model holds the same kinds of state as the float one.
     """
-    quantized = qwix.quantize_model(model, provider, *inputs)
+    with outside_capture():
+        quantized = qwix.quantize_model(model, provider, *inputs)
     seam("qwix_strip_transients", strip_transients)(quantized)
     return quantized
 
