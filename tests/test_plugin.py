@@ -179,7 +179,11 @@ def test_progress_prints_a_line_per_family_and_check(project):
     pytester.runpytest("--conformance-family", "gpt3", "--snapshot-update")
     result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-progress", "-q")
     result.stdout.fnmatch_lines(
-        ["*conformance: tier default*", "*2 tests to run", "*0/2   0%] gpt3 * shape * 1 passed*"]
+        [
+            "*conformance: tier default*",
+            "*2 tests to run",
+            "*0/2   0%] gpt3 * shape * 1 passed (* s, then * s releasing compiled programs)",
+        ]
     )
 
 
@@ -347,7 +351,7 @@ def test_an_xdist_run_reports_as_one_process_does(project):
         [
             "*conformance: tier default*",
             "*conformance: 3 tests to run on xdist workers",
-            "*] gpt3 * shape * 1 passed (* s on gw*)",
+            "*] gpt3 * shape * 1 passed (* s on gw*, then * s releasing compiled programs)",
             "*programs compiled, * distinct*(summed over 2 workers)*",
             "*unused goldens*",
             f"*{stray.name}",
@@ -430,7 +434,7 @@ def test_progress_lines_and_the_matrix_count_outcomes_as_pytest_does(pytester):
     result.stdout.fnmatch_lines(
         [
             "*] gpt3 * tidy *1 error, 1 passed (* s)",
-            "*] gpt3 * lucky *1 xpassed (* s)",
+            "*] gpt3 * lucky *1 xpassed (* s, then * s releasing compiled programs)",
             "*Linen/NNX agreement (agreed/run; f=failed e=error s=skipped x=xfailed X=xpassed)*",
             "family*lucky*tidy*",
             "gpt3*- (1X)*0/1 (1e)*",

@@ -19,6 +19,7 @@ import pytest
 
 from conformance.core import programs
 from conformance.pytest_plugin import workers
+from conformance.pytest_plugin.scopes import RELEASED
 from conformance.report.collector import outcome
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -129,12 +130,23 @@ def _outcomes(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
 
 
+def _released(report: pytest.TestReport) -> float:
+    return float(dict(report.user_properties).get(RELEASED, 0.0))
+
+
+def _timing(seconds: float, released: float, where: str = "") -> str:
+    """A line's seconds, and apart from them any spent releasing the group's programs."""
+    release = f", then {released:.1f} s releasing compiled programs" if released else ""
+    return f"({seconds:.1f} s{where}{release})"
+
+
 class Progress(_Lines):
     """One line per run of consecutive tests with the same label, instead of a character each.
 
     ``label(item)`` names what a test belongs to (for the suite: family, layout, mesh
     and check); a line opens when the label changes and closes with the outcomes and
-    the seconds it took. ``header`` lines are written first (pytest shows none when -q).
+    the seconds it took, without those spent releasing compiled programs after its last
+    test (said apart). ``header`` lines are written first (pytest shows none when -q).
     """
 
     def __init__(self, header: Sequence[str], label: Callable[[pytest.Item], str]) -> None:
@@ -145,6 +157,7 @@ class Progress(_Lines):
         self.line: str | None = None
         self.counts: dict[str, int] = defaultdict(int)
         self.started = 0.0
+        self.released = 0.0
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         """Remember the tests that will run, and say what the run covers.
@@ -179,6 +192,7 @@ class Progress(_Lines):
             self.counts[decided[0]] += 1
         if report.when == "teardown":
             self.done += 1
+            self.released += _released(report)
 
     def pytest_sessionfinish(self) -> None:
         """Close the last line."""
@@ -187,9 +201,9 @@ class Progress(_Lines):
     def _close(self) -> None:
         if self.line is None:
             return
-        seconds = time.perf_counter() - self.started
-        self.writer.write_line(f"{_outcomes(self.counts)} ({seconds:.1f} s)")
-        self.line, self.counts = None, defaultdict(int)
+        seconds = time.perf_counter() - self.started - self.released
+        self.writer.write_line(f"{_outcomes(self.counts)} {_timing(seconds, self.released)}")
+        self.line, self.counts, self.released = None, defaultdict(int), 0.0
 
 
 class ControllerProgress(_Lines):
@@ -197,15 +211,17 @@ class ControllerProgress(_Lines):
 
     Each worker runs a group of tests in a row, but their reports interleave, so a line
     is written only when it closes (the worker moved to another label, or finished) and
-    gives the seconds its tests took on their worker.
+    gives the seconds its tests took on their worker, those spent releasing compiled
+    programs apart.
     """
 
     def __init__(self, header: Sequence[str]) -> None:
         self.header = list(header)
         self.total = 0
         self.done = 0
-        self.open: dict[str, tuple[str, dict[str, int], float]] = {}
-        """``{worker: (label, outcome counts, seconds)}``, the line each worker has open."""
+        self.open: dict[str, tuple[str, dict[str, int], float, float]] = {}
+        """``{worker: (label, outcome counts, seconds, seconds releasing)}``, the line each
+        worker has open."""
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: Sequence[str]) -> None:
@@ -225,9 +241,15 @@ class ControllerProgress(_Lines):
             return
         if (line := self.open.get(worker.id)) is None or line[0] != label:
             self._close(worker.id)
-            line = self.open[worker.id] = (label, defaultdict(int), 0.0)
-        name, counts, seconds = line
-        self.open[worker.id] = (name, counts, seconds + report.duration)
+            line = self.open[worker.id] = (label, defaultdict(int), 0.0, 0.0)
+        name, counts, seconds, released = line
+        release = _released(report)
+        self.open[worker.id] = (
+            name,
+            counts,
+            seconds + report.duration - release,
+            released + release,
+        )
         if (decided := outcome(report)) is not None:
             counts[decided[0]] += 1
         if report.when == "teardown":
@@ -241,7 +263,8 @@ class ControllerProgress(_Lines):
     def _close(self, worker: str) -> None:
         if (line := self.open.pop(worker, None)) is None:
             return
-        label, counts, seconds = line
+        label, counts, seconds, released = line
         percent = 100 * self.done // max(self.total, 1)
         where = f"[{self.done:>4}/{self.total} {percent:>3}%]"
-        self.writer.write_line(f"{where} {label} {_outcomes(counts)} ({seconds:.1f} s on {worker})")
+        timing = _timing(seconds, released, f" on {worker}")
+        self.writer.write_line(f"{where} {label} {_outcomes(counts)} {timing}")

@@ -8,13 +8,19 @@ bounded by one group's programs however many families, meshes and layouts it cov
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from conformance.core import scope
 from conformance.pytest_plugin import workers
-from conformance.pytest_plugin.plan import group_of
+from conformance.pytest_plugin.plan import Group, group_of
+
+RELEASED = "released_s"
+"""The user property of a test whose teardown released the scope: the seconds it took.
+
+Progress lines keep it out of the test's own seconds and say it apart."""
 
 
 class ScopePerGroup:
@@ -40,17 +46,23 @@ class ScopePerGroup:
         try:
             return (yield)
         finally:
-            group = group_of(item)
-            mappings = scope.mapping_count() or 0
-            self.peak = max(self.peak, mappings)
-            following = group_of(nextitem)
-            if group is not None and group != following:
-                self.releases += 1
-                same_layout = following is not None and following[:2] == group[:2]
-                scope.release(keep_results=same_layout)
-            elif self.budget is not None and mappings > self.budget:
-                self.early += 1
-                scope.release(keep_results=True)
+            keep_results = self._release_now(group_of(item), group_of(nextitem))
+            if keep_results is not None:
+                start = time.perf_counter()
+                scope.release(keep_results=keep_results)
+                item.user_properties.append((RELEASED, round(time.perf_counter() - start, 3)))
+
+    def _release_now(self, group: Group | None, following: Group | None) -> bool | None:
+        """Whether to release the scope now, keeping host results (True) or not (False)."""
+        mappings = scope.mapping_count() or 0
+        self.peak = max(self.peak, mappings)
+        if group is not None and group != following:
+            self.releases += 1
+            return following is not None and following[:2] == group[:2]
+        if self.budget is not None and mappings > self.budget:
+            self.early += 1
+            return True
+        return None
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """On an xdist worker, hand its releases and peak to the controller."""
