@@ -18,7 +18,7 @@ BUILTIN := --family gpt3 --family llama --family moe
 ## REPORT=DIR writes report.json, report.md, report.html and junit.xml there, merged over
 ## every process that writes to DIR (see README "Reports").
 REPORT ?=
-REPORT_ARG := $(if $(REPORT),--report $(abspath $(REPORT)))
+REPORT_ARG := $(if $(REPORT),--report=$(abspath $(REPORT)))
 
 .PHONY: setup setup-maxtext parity test test-maxtext upgrade-report multihost lint goldens \
 	goldens-maxtext benchmark clean
@@ -61,7 +61,7 @@ test: $(STAMP)
 	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(WORKERS_ARG) $(REPORT_ARG) \
 	  $(ARGS) || status=$$?; \
 	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) $(WORKERS_ARG) \
-	  $(if $(REPORT),--conformance-report $(abspath $(REPORT))) || status=$$?; \
+	  $(if $(REPORT),--conformance-report=$(abspath $(REPORT))) || status=$$?; \
 	exit $$status
 
 ## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU

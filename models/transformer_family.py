@@ -12,6 +12,7 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
+from conformance_models import GOLDENS
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.config import TransformerConfig
 from conformance_models.data import make_batch
@@ -23,6 +24,8 @@ class TransformerFamily(Family):
     A subclass names itself and sets ``sizes``, ``base_configs`` (the config of each
     size) and the Linen and NNX decoder classes, each built from a config.
     """
+
+    goldens = GOLDENS
 
     capabilities = Capabilities(
         scan_layers=(False, True),

@@ -13,9 +13,9 @@ from conformance.checks import registry
 from conformance.contract import Family
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
+from conformance_models import GOLDENS
 
 TOPOLOGY = parse_mesh("4x8x8")
-REPOSITORY = Path(__file__).parent.parent
 
 
 def run_check(
@@ -55,7 +55,7 @@ def run_check(
         params["saved_on"] = case.on(mesh)
     if check.references:
         params.setdefault("recorded", "linen")
-        params["references"] = references or references_root(REPOSITORY / "goldens")
+        params["references"] = references or references_root(GOLDENS)
     return check(case, **params)
 
 

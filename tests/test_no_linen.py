@@ -6,12 +6,14 @@ from conformance.checks.registry import CHECKS
 from conformance.contract import Family, FamilyError, problems
 from conformance.core.goldens import dumps, normalise
 from conformance.core.references import references_root
+from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
 from conformance.pytest_plugin.plan import plan, skip_reason
 from conformance.pytest_plugin.session import Settings
 from conformance.pytest_plugin.tiers import get_tier
+from conformance_models import GOLDENS
 from conformance_models.gpt3.family import Gpt3Family
-from tests.suite_run import REPOSITORY, TOPOLOGY, run_check
+from tests.suite_run import TOPOLOGY, run_check
 
 MESH = parse_mesh("data=2,fsdp=2,tensor=2")
 
@@ -41,7 +43,7 @@ def test_without_linen_and_references_is_a_declaration_error():
 
 
 def _planned():
-    run = Settings((FAMILY,), (MESH,), (TOPOLOGY,), get_tier("full"), "low", REPOSITORY / "goldens")
+    run = Settings((FAMILY,), (MESH,), (TOPOLOGY,), get_tier("full"), "low", Goldens(None))
     return [p for check in CHECKS.values() for p in plan(check, FAMILY, run)]
 
 
@@ -78,11 +80,11 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
 def test_structure_and_sharding_match_the_goldens_with_nnx_alone(tmp_path, check, golden):
     payload = run_check(check, FAMILY, tmp_path, MESH)
     name = golden or f"{MESH.id}-loop"
-    path = REPOSITORY / "goldens" / "gpt3" / check / f"{name}.json"
+    path = GOLDENS / "gpt3" / check / f"{name}.json"
     assert dumps(normalise(payload)) + "\n" == path.read_text()
 
 
 @pytest.mark.parametrize("check", ["recorded_forward", "recorded_train_step", "recorded_decode"])
 def test_nnx_alone_agrees_with_the_recorded_linen(tmp_path, check):
-    assert (references_root(REPOSITORY / "goldens") / "gpt3" / "linen").is_dir()
+    assert (references_root(GOLDENS) / "gpt3" / "linen").is_dir()
     run_check(check, FAMILY, tmp_path, MESH, params={"backend": "nnx"})

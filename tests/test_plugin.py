@@ -232,12 +232,15 @@ def test_builtin_families_can_be_left_out_by_ini(pytester):
 @pytest.mark.parametrize(
     ("argv", "expanded"),
     [
-        (["--tier", "smoke"], ["--conformance-tier", "smoke"]),
+        (["--tier", "smoke"], ["--conformance-tier=smoke"]),
         (["--family=llama", "-k", "forward"], ["--conformance-family=llama", "-k", "forward"]),
         (
             ["--progress", "--mesh", "fsdp=8"],
-            ["--conformance-progress", "--conformance-mesh", "fsdp=8"],
+            ["--conformance-progress", "--conformance-mesh=fsdp=8"],
         ),
+        (["--report", "/tmp", "tests"], ["--conformance-report=/tmp", "tests"]),
+        (["--conformance-shared-dir", "."], ["--conformance-shared-dir=."]),
+        (["--tier"], ["--conformance-tier"]),
     ],
 )
 def test_main_takes_the_plugin_options_without_their_prefix(argv, expanded):
@@ -275,13 +278,15 @@ def test_the_report_carries_measurements_from_xdist_workers(pytester):
     assert "| gpt3 | 1/1 | 0/1 (1f) |" in (out / "report.md").read_text()
 
 
-def test_reference_of_other_versions_passes_and_an_undeclared_one_is_unused(pytester):
+def test_reference_of_other_versions_passes_and_an_undeclared_one_is_unused(pytester, monkeypatch):
     import shutil
 
-    from tests.suite_run import REPOSITORY
+    from conformance_models import GOLDENS
+    from conformance_models.gpt3.family import Gpt3Family
 
+    monkeypatch.setattr(Gpt3Family, "goldens", None)  # kept in the project, as a zoo's are
     pytester.makeini("[pytest]\nconformance_goldens = goldens\n")
-    source = REPOSITORY / "goldens/references/gpt3/linen"
+    source = GOLDENS / "references/gpt3/linen"
     for backend in ("linen", "nnx"):
         shutil.copytree(source, pytester.path / f"goldens/references/gpt3/{backend}")
     manifest = pytester.path / "goldens/references/gpt3/linen/manifest.json"

@@ -4,7 +4,9 @@ Usage: ``python -m conformance.record [--family NAME ...] [--backend {linen,nnx}
 [--goldens DIR] [--update]``. Each family (default: every registered family that
 declares ``Capabilities.recorded``) is run on one CPU device from each backend it
 declares (or only ``--backend``), and its reference is written to
-``<goldens>/references/<family>/<backend>/``.
+``<goldens>/references/<family>/<backend>/``, where ``<goldens>`` is the directory
+the family ships its own in (:attr:`~conformance.contract.Family.goldens`), else
+``--goldens``.
 
 A reference is reviewed like a golden, so this never changes one silently: a new
 reference is written, an identical one is left as it is, and one that would change is
@@ -44,7 +46,13 @@ def parser() -> argparse.ArgumentParser:
         choices=("linen", "nnx"),
         help="record only this backend; default: each the family declares",
     )
-    cli.add_argument("--goldens", type=Path, default=Path("goldens"), help="goldens directory")
+    cli.add_argument(
+        "--goldens",
+        type=Path,
+        default=Path("goldens"),
+        help="the project's goldens directory, for a family that does not ship its own "
+        "(Family.goldens; the built-in families do); default: ./goldens",
+    )
     cli.add_argument(
         "--update", action="store_true", help="replace references whose numbers changed"
     )
@@ -60,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_matmul_precision()
     from conformance import contract
     from conformance.core.references import ARRAYS, directory, encode, references_root, write
+    from conformance.core.roots import Goldens, installed
     from conformance.runtime.recording import record
 
     try:
@@ -85,8 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (reason := family.unavailable()) is not None:
             print(f"error: {family.name}: {reason}", file=sys.stderr)
             return 2
+        root = Goldens(args.goldens.resolve()).of(family)
+        if installed(root):
+            print(
+                f"error: {family.name} ships its references in an installed package ({root}): "
+                "record them from a clone of the package's repository",
+                file=sys.stderr,
+            )
+            return 2
         for backend in backends:
-            where = directory(references_root(args.goldens), family.name, backend)
+            where = directory(references_root(root), family.name, backend)
             reference = record(family, backend)
             files = encode(reference)
             old = {n: (where / n).read_bytes() for n in files if (where / n).is_file()}

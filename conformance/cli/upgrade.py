@@ -50,7 +50,13 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="family name or glob (repeatable); default: every family keeping goldens per release",
     )
-    cli.add_argument("--goldens", type=Path, default=Path("goldens"), help="goldens directory")
+    cli.add_argument(
+        "--goldens",
+        type=Path,
+        default=Path("goldens"),
+        help="the project's goldens directory, for a family that does not ship its own "
+        "(Family.goldens; the built-in families do); default: ./goldens",
+    )
     cli.add_argument(
         "--report", type=Path, help="a run's report directory: read its verdicts, add the section"
     )
@@ -187,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_xla_opt(args.xla_opt)
     set_matmul_precision()
     from conformance import contract
+    from conformance.core.roots import Goldens
     from conformance.report import model, render
     from conformance.runtime.recorded import MissingReference
 
@@ -209,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     try:
-        upgrades = [upgrade_of(family, args.goldens) for family in families]
+        goldens = Goldens(args.goldens.resolve())
+        upgrades = [upgrade_of(family, goldens.of(family)) for family in families]
     except (MissingReference, contract.FamilyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -241,6 +242,15 @@ class Family(abc.ABC):
     release, and a run claims only its own release's. ``None`` (the default): goldens at
     ``goldens/<family>/<check>/...``. Recorded references are not kept per release: a
     later release is compared with what an earlier one recorded."""
+
+    goldens: Path | None = None
+    """The directory holding this family's goldens and recorded references, for a family
+    that ships them in its package (the built-in families do: ``Path(__file__).parent /
+    "goldens"``, absolute, so it never follows the working directory). The suite's checks
+    of this family read and regenerate them there, whatever project runs it. ``None`` (the
+    default): the running project's goldens directory, the ``conformance_goldens`` ini
+    option resolved against the file that sets it. A user's own golden tests always keep
+    their goldens in the project."""
 
     layer_stack_axis: int = 0
     """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""

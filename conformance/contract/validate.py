@@ -8,6 +8,8 @@ family with any (:func:`validate`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from conformance.contract.family import (
     BACKENDS,
     DECODE_STYLES,
@@ -38,8 +40,8 @@ def problems(family: Family) -> list[str]:
     A declared capability without its hook (:data:`HOOKS`), both layer layouts without
     ``layer_stack_rules``, a decode style or prediction that does not hold together
     (:func:`_decoding`), an unknown quantization mode or recorded backend, no Linen
-    module and no recorded reference, no size or layout, and (when the family can run
-    here) a config that is not hashable.
+    module and no recorded reference, a relative :attr:`~Family.goldens`, no size or
+    layout, and (when the family can run here) a config that is not hashable.
     """
     caps, name = family.capabilities, family.name
     found = [
@@ -67,6 +69,11 @@ def problems(family: Family) -> list[str]:
         found.append(
             f"family {name!r} defines no linen_module and declares no recorded reference "
             "(Capabilities.recorded): its NNX side has nothing to be compared with"
+        )
+    if family.goldens is not None and not Path(family.goldens).is_absolute():
+        found.append(
+            f"family {name!r} declares goldens={str(family.goldens)!r}, a relative path: it "
+            "would follow the working directory; give its package's directory, absolute"
         )
     if not caps.scan_layers or not family.sizes:
         found.append(f"family {name!r} declares no layer layout or no size")

@@ -25,6 +25,9 @@ from conformance.core.goldens import SUFFIX, GoldenError, dumps, load, normalise
 from conformance.core.references import MANIFEST, references_root
 from conformance.pytest_plugin import options
 
+WRITTEN = pytest.StashKey[set[Path]]()
+"""The goldens a ``--snapshot-update`` run wrote or found unchanged (their paths)."""
+
 
 class Golden:
     """The golden file of one test: fails clearly when missing or corrupt, else matches.
@@ -43,6 +46,7 @@ class Golden:
         *,
         family: str,
         check: str,
+        written: set[Path] | None = None,
     ) -> None:
         self._snapshot = snapshot.use_extension(GoldenExtension.for_root(root))
         self.root, self.path, self.update = root, path, update
@@ -52,6 +56,8 @@ class Golden:
         )
         """The command that writes this golden alone."""
         self.written_elsewhere = written_elsewhere
+        self.written = written
+        """Where a regenerated golden's path is added, once written or confirmed."""
 
     def check(self, data: Any) -> None:
         """Assert that ``data``, normalised, equals the golden (or write it when updating)."""
@@ -65,6 +71,8 @@ class Golden:
             )
         index = self.path.relative_to(self.root).with_suffix("").as_posix()
         assert self._snapshot(name=index) == data
+        if self.update and self.written is not None:
+            self.written.add(self.path)
 
 
 def _unreadable(path: Path) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from conformance.core import distributed
 from conformance.pytest_plugin import workers
-from conformance.pytest_plugin.goldens import unused_goldens
+from conformance.pytest_plugin.goldens import WRITTEN, unused_goldens
 from conformance.pytest_plugin.session import settings
 from conformance.report.collector import fold
 from conformance.report.model import CELL_LEGEND, matrix_rows
@@ -54,6 +54,8 @@ class SessionReport:
     def pytest_testnodedown(self, node: Any, error: object) -> None:
         """On the xdist controller, take the goldens a finished worker's collection claimed."""
         self.config.stash[CLAIMED].update(map(Path, workers.received(node, "claimed", [])))
+        written = self.config.stash.setdefault(WRITTEN, set())
+        written.update(map(Path, workers.received(node, "written", [])))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Fail the session if a golden is unused; an xdist worker hands its claims over.
@@ -62,12 +64,21 @@ class SessionReport:
         """
         if workers.is_worker(self.config):
             workers.send(self.config, "claimed", sorted(map(str, self.config.stash[CLAIMED])))
+            written = self.config.stash.get(WRITTEN, set())
+            workers.send(self.config, "written", sorted(map(str, written)))
             return
         if session.exitstatus not in (0, 1):
             return
         run = settings(self.config)
         families = {f.name for f in run.families}
-        self.unused = unused_goldens(self.config, run.goldens, self.config.stash[CLAIMED], families)
+        claimed = self.config.stash[CLAIMED]
+        self.unused = sorted(
+            path
+            for root in self.roots()
+            for path in unused_goldens(
+                self.config, root, {p for p in claimed if p.is_relative_to(root)}, families
+            )
+        )
         if self.unused:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -85,14 +96,37 @@ class SessionReport:
             recorded = settings(self.config).recorded()
             if recorded and any(check.startswith("recorded_") for _, check in results):
                 terminalreporter.write_line("recorded_* compare " + "; ".join(recorded))
+        if self.config.option.update_snapshots and distributed.is_leader():
+            for line in written_lines(self.config.stash.get(WRITTEN, set()), self.roots()):
+                terminalreporter.write_line(line)
         if self.unused:
             terminalreporter.section("unused goldens", red=True)
             terminalreporter.write_line(
                 "no collected test claims these files; if their tests were removed or renamed "
                 "on purpose, delete them with `git rm` in a reviewed commit:"
             )
+            here = self.config.invocation_params.dir
             for path in self.unused:
-                terminalreporter.write_line(f"  {path.relative_to(self.config.rootpath)}")
+                shown = path.relative_to(here) if path.is_relative_to(here) else path
+                terminalreporter.write_line(f"  {shown}")
+
+    def roots(self) -> list[Path]:
+        """The directories this run keeps goldens in."""
+        run = settings(self.config)
+        return run.goldens.roots(list(run.families))
+
+
+def written_lines(written: set[Path], roots: Sequence[Path]) -> list[str]:
+    """What a ``--snapshot-update`` run did, per goldens directory: how many, and where.
+
+    A golden counts once written or found unchanged; a directory none went to says so.
+    """
+    lines = []
+    for root in roots:
+        count = sum(1 for path in written if path.is_relative_to(root))
+        if count:
+            lines.append(f"--snapshot-update: {count} golden(s) written or unchanged under {root}")
+    return lines or ["--snapshot-update: no golden was written (no golden test ran)"]
 
 
 def agreement_matrix(

@@ -171,12 +171,25 @@ def value(config: pytest.Config, name: str) -> Any:
 
 
 def expand(argv: Sequence[str]) -> list[str]:
-    """``argv`` with each short option (``--tier smoke``, ``--tier=smoke``) prefixed."""
-    short = {option.short: option.flag for option in OPTIONS}
-    expanded = []
-    for arg in argv:
-        name, eq, rest = arg.partition("=")
-        expanded.append(f"{short[name]}{eq}{rest}" if name in short else arg)
+    """``argv`` with each short option prefixed and joined to its value.
+
+    ``--tier smoke`` and ``--tier=smoke`` both become ``--conformance-tier=smoke``. Joined,
+    a value that is an existing path (``--report DIR``) is never taken by pytest for a
+    test path, which would move the rootdir and configuration file it finds.
+    """
+    flags = {option.short: option.flag for option in OPTIONS}
+    flags |= {option.flag: option.flag for option in OPTIONS}
+    valued = {option.flag for option in OPTIONS if option.action != "store_true"}
+    expanded, rest = [], iter(argv)
+    for arg in rest:
+        name, eq, value = arg.partition("=")
+        flag = flags.get(name)
+        if flag in valued and not eq and (following := next(rest, None)) is not None:
+            expanded.append(f"{flag}={following}")
+        elif flag is not None:
+            expanded.append(f"{flag}{eq}{value}")
+        else:
+            expanded.append(arg)
     return expanded
 
 

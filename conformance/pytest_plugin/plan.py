@@ -71,6 +71,18 @@ class Planned:
         """Why it is expected to fail, if it is (whether or not the family can run it)."""
         return expected_failure(self.check, self.family, self.values, self.id)
 
+    @property
+    def registered(self) -> bool:
+        """Whether it is a registered check of the suite, not a user's own test."""
+        return self.check.run is not None
+
+    def root(self, run: Settings) -> Path:
+        """The goldens directory it reads and writes (its family's, else the project's).
+
+        A registered check of a family that ships its goldens uses the family's.
+        """
+        return run.goldens.of(self.family, suite=self.registered)
+
     def golden(self, run: Settings) -> Path | None:
         """Where its golden lives, ``<goldens>/<family>/<check>/<case>.json``, if it has one.
 
@@ -82,7 +94,7 @@ class Planned:
         if not self.check.golden:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
-        folder = run.goldens / self.family.name
+        folder = self.root(run) / self.family.name
         if self.family.release is not None:
             folder /= self.family.release
         folder /= self.check.name
@@ -90,12 +102,12 @@ class Planned:
             return folder / run.platform / f"{run.primary.id}-{case}.json"
         return folder / f"{case}.json"
 
-    def reference(self, root: Path) -> Path | None:
-        """The manifest of the recorded reference it compares with, if any (``root``: goldens)."""
+    def reference(self, run: Settings) -> Path | None:
+        """The manifest of the recorded reference it compares with, if any."""
         recorded = self.values.get("recorded")
         if not self.check.references or recorded is None:
             return None
-        return directory(references_root(root), self.family.name, recorded) / MANIFEST
+        return directory(references_root(self.root(run)), self.family.name, recorded) / MANIFEST
 
     def group(self, primary: MeshSpec) -> Group:
         """Its group of tests sharing programs: family, layout and device mesh.

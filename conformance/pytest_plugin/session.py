@@ -25,6 +25,7 @@ from conformance.core.environment import (
     set_xla_opt,
 )
 from conformance.core.references import references_root
+from conformance.core.roots import Goldens, GoldensError, installed, project_goldens
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
 from conformance.pytest_plugin import options, workers
 from conformance.pytest_plugin.tiers import Tier
@@ -46,8 +47,8 @@ class Settings:
     topologies: tuple[MeshSpec, ...]
     tier: Tier
     xla_opt: str
-    goldens: Path
-    """The goldens directory."""
+    goldens: Goldens
+    """Where each family's goldens and recorded references live."""
 
     @property
     def run_meshes(self) -> list[MeshSpec]:
@@ -146,7 +147,7 @@ class Settings:
         for family in self.families:
             for backend in family.capabilities.recorded:
                 try:
-                    reference = load(family, backend, references_root(self.goldens))
+                    reference = load(family, backend, references_root(self.goldens.of(family)))
                 except MissingReference:
                     label = f"recorded {SIDES[backend].name} (missing)"
                 else:
@@ -229,10 +230,81 @@ def configure(config: pytest.Config, tier: Tier) -> None:
         _refuse_unavailable(families)
     if meshes:
         tier = dataclasses.replace(tier, meshes=None)
-    goldens = config.rootpath / config.getini("conformance_goldens")
+    try:
+        goldens = _goldens(config, families)
+    except GoldensError as err:
+        raise pytest.UsageError(str(err)) from None
     run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens)
     config.stash[_SETTINGS] = run
     _register(config, run)
+
+
+def _goldens(config: pytest.Config, families: list[Family]) -> Goldens:
+    """The run's goldens directories, from its configuration file, checked before any test.
+
+    The project's is ``conformance_goldens`` resolved against the directory of the file
+    pytest read its configuration from (or, with no file, of the invocation for a ``-o``
+    override). Raises :class:`GoldensError` when that configuration was found from an
+    option's value, a family needs the project's and there is none, ``--snapshot-update``
+    would write into an installed package, or the processes of a run disagree.
+    """
+    _refuse_configuration_from_option_values(config)
+    value = config.getini("conformance_goldens")
+    overridden = any(o.startswith("conformance_goldens=") for o in config.option.override_ini or ())
+    if config.inipath is not None:
+        goldens = Goldens(project_goldens(config.inipath.parent, value))
+    elif overridden:
+        goldens = Goldens(project_goldens(config.invocation_params.dir, value))
+    else:
+        goldens = Goldens(None)
+    roots = {family.name: goldens.of(family) for family in families}
+    if config.option.update_snapshots and (
+        shipped := [f"{name} ({root})" for name, root in roots.items() if installed(root)]
+    ):
+        raise GoldensError(
+            "--snapshot-update would write into an installed package the goldens it ships: "
+            f"{', '.join(shipped)}; regenerate them from a clone of the package's repository"
+        )
+    described = goldens.describe(families)
+    if workers.is_worker(config) and (sent := workers.given(config, "goldens")) != described:
+        raise GoldensError(
+            f"this xdist worker resolves goldens to {described}, its controller to {sent}"
+        )
+    if distributed.is_multiprocess() and (found := distributed.differences(described)):
+        raise GoldensError(f"the processes resolve goldens differently: {found}")
+    return goldens
+
+
+def _refuse_configuration_from_option_values(config: pytest.Config) -> None:
+    """Refuse a run whose configuration file pytest found from an option's value.
+
+    pytest looks for its rootdir and configuration file from the command line's existing
+    paths before it knows a plugin's options, so ``--conformance-report DIR`` with an
+    existing ``DIR`` counts as a test path. The file it would find from the test paths
+    alone is compared with the one it read; they differ only then.
+    """
+    from _pytest.config.findpaths import determine_setup
+
+    tests = config.args if config.args_source == pytest.Config.ArgsSource.ARGS else []
+    _, inipath, _, _ = determine_setup(
+        inifile=config.option.inifilename,
+        override_ini=config.option.override_ini,
+        args=tests,
+        rootdir_cmd_arg=config.option.rootdir or None,
+        invocation_dir=config.invocation_params.dir,
+    )
+    if inipath != config.inipath:
+        here = config.invocation_params.dir
+        taken = [
+            a
+            for a in map(str, config.invocation_params.args)
+            if not a.startswith("-") and a not in tests and (here / a).exists()
+        ]
+        raise GoldensError(
+            f"pytest took {', '.join(taken) or 'an option value'} for a test path and read its "
+            f"configuration from {config.inipath or 'no file'} instead of {inipath or 'none'}: "
+            "join path options to their values (--conformance-report=DIR)"
+        )
 
 
 def _register(config: pytest.Config, run: Settings) -> None:
@@ -249,6 +321,9 @@ def _register(config: pytest.Config, run: Settings) -> None:
     manager.register(suite, "conformance-suite")
     if workers.is_worker(config):
         manager.register(workers.WholeGroups(), "conformance-whole-groups")
+    if workers.is_controller(config):
+        handed = {"goldens": run.goldens.describe(list(run.families))}
+        manager.register(workers.Handover(handed), "conformance-handover")
     manager.register(SessionReport(config), "conformance-report")
     manager.register(ScopePerGroup(), "conformance-scopes")
     manager.register(CompileClock(), "conformance-compiles")

@@ -24,7 +24,7 @@ from conformance.core.failure import CheckFailure
 from conformance.core.references import references_root
 from conformance.core.sharding import InsufficientDevices, MeshSpec
 from conformance.pytest_plugin import options
-from conformance.pytest_plugin.goldens import Golden
+from conformance.pytest_plugin.goldens import WRITTEN, Golden
 from conformance.pytest_plugin.matrix import CLAIMED
 from conformance.pytest_plugin.plan import (
     CASE,
@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         config.stash[_COLLECTED].add(planned.family.name)
-        for path in (planned.golden(run), planned.reference(run.goldens)):
+        for path in (planned.golden(run), planned.reference(run)):
             if path is not None:
                 config.stash[CLAIMED].add(path)
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
@@ -200,7 +200,7 @@ def conformance_case(request: pytest.FixtureRequest) -> Bound:
         params["workdir"] = request.getfixturevalue("shared_tmp_path")
     if check.references:
         params["recorded"] = planned.values["recorded"]
-        params["references"] = references_root(run.goldens)
+        params["references"] = references_root(planned.root(run))
     golden = request.getfixturevalue("golden") if check.golden else None
     return Bound(check, case, params, golden)
 
@@ -214,14 +214,17 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     """
     planned = planned_of(request.node)
     run = settings(request.config)
-    root = run.goldens
     path = None if planned is None else planned.golden(run)
-    if path is None:
+    if planned is None or path is None:
         raise pytest.UsageError(f"{request.node.nodeid} uses `golden` without @pytest.mark.golden")
+    root = planned.root(run)
     update = bool(request.config.option.update_snapshots)
     elsewhere = update and not distributed.is_leader()
     family, check = planned.family.name, planned.check.name
-    return Golden(snapshot, root, path, update, elsewhere, family=family, check=check)
+    written = request.config.stash.setdefault(WRITTEN, set())
+    return Golden(
+        snapshot, root, path, update, elsewhere, family=family, check=check, written=written
+    )
 
 
 @pytest.fixture

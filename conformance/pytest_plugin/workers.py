@@ -1,10 +1,12 @@
-"""What a pytest-xdist worker hands its controller when it finishes.
+"""What a pytest-xdist controller and its workers hand each other.
 
 Under ``-n N`` the tests run in worker processes; the controller only sees their
 reports. Facts of a whole run that reports do not carry (the programs a worker
 compiled, the goldens its collection claimed) travel in xdist's ``workeroutput``: a
 worker :func:`send` s them at the end of its session, and the controller reads them
 with :func:`received` when xdist tells it the worker is done (``pytest_testnodedown``).
+The other way, the controller hands facts to every worker as it starts (:class:`Handover`;
+the worker reads them with :func:`given`).
 Values must be plain data (numbers, strings, lists, dicts).
 """
 
@@ -36,6 +38,24 @@ def send(config: pytest.Config, name: str, value: Any) -> None:
 def received(node: Any, name: str, default: Any = None) -> Any:
     """What worker ``node`` sent under ``name`` (``default`` if it sent nothing, or died)."""
     return getattr(node, "workeroutput", {}).get(_PREFIX + name, default)
+
+
+def given(config: pytest.Config, name: str, default: Any = None) -> Any:
+    """On a worker, what its controller handed it under ``name`` (:class:`Handover`)."""
+    return getattr(config, "workerinput", {}).get(_PREFIX + name, default)
+
+
+class Handover:
+    """On the controller, hand every worker ``values`` (name -> plain data) as it starts."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node: Any) -> None:
+        """Xdist's hook: put the values in the worker's ``workerinput``."""
+        for name, value in self.values.items():
+            node.workerinput[_PREFIX + name] = value
 
 
 class WholeGroups:

@@ -34,6 +34,7 @@ from conformance.families import (
     PathRules,
     QuantScope,
 )
+from conformance_models import GOLDENS
 from conformance_models.data import make_batch
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
@@ -47,6 +48,7 @@ class MaxTextFamily(Family):
     model ymls as shipped, evaluated abstractly (structure and sharding goldens)."""
     batch_axis = "activation_batch"
     layer_stack_axis = 1
+    goldens = GOLDENS
     model_name: ClassVar[str]
     """The MaxText model (a yml under ``maxtext/configs/models``)."""
     overrides: ClassVar[Mapping[str, Any]]
