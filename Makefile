@@ -20,8 +20,8 @@ BUILTIN := --family gpt3 --family llama --family moe
 REPORT ?=
 REPORT_ARG := $(if $(REPORT),--report=$(abspath $(REPORT)))
 
-.PHONY: setup setup-maxtext parity test test-maxtext upgrade-report multihost lint goldens \
-	goldens-maxtext benchmark clean
+.PHONY: setup setup-maxtext parity test test-maxtext test-wheel upgrade-report multihost lint \
+	goldens goldens-maxtext benchmark clean
 
 setup: $(STAMP)
 
@@ -107,8 +107,24 @@ goldens-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance -m golden --snapshot-update --family 'maxtext-*' \
 	  --tier $(TIER) $(ARGS)
 
+## The package as a user installs it, without a clone: build the wheel, install it with
+## the pinned versions in a fresh venv, and run the built-in families' smoke-tier goldens,
+## recorded references and structure checks from an empty directory (their goldens and
+## references must come from the installed package).
+WHEEL_VENV := .venv-wheel
+WHEEL_CHECKS ?= structure or sharding or recorded
+
+test-wheel: $(STAMP)
+	rm -rf dist $(WHEEL_VENV)
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
+	@empty="$$(mktemp -d)"; cd "$$empty" && \
+	  $(abspath $(WHEEL_VENV))/bin/python -m conformance $(BUILTIN) --tier smoke \
+	  -k '$(WHEEL_CHECKS)' $(REPORT_ARG) $(ARGS)
+
 benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-maxtext-*
+	rm -rf $(VENV) .venv-maxtext-* $(WHEEL_VENV) dist

@@ -27,6 +27,12 @@ MARKERS = (
 the same in the check registry)."""
 
 
+LIBRARY_NOISE = ("ignore::DeprecationWarning:qwix",)
+"""Warnings filters of a conformance run, wherever it runs (an installed package has no
+ini of this project): qwix 0.1.8 calls flax APIs that flax 0.12.12 deprecates, thousands
+of times per run."""
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Declare the ``--conformance-*`` options and the ``conformance_*`` ini options."""
     options.add_options(parser)
@@ -47,6 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(str(err)) from None
     if not options.selects_suite(config):
         return
+    for noise in LIBRARY_NOISE:
+        config.addinivalue_line("filterwarnings", noise)
     from conformance.pytest_plugin import session
 
     session.configure(config, tier)
