@@ -91,6 +91,15 @@ class Settings:
                 else "; ".join(f"{side} {b.describe()}" for side, b in built.items())
             )
             lines.append(f"conformance: {family}: {sides}")
+        if sown := self.sown:
+            listed = "; ".join(
+                f"{family} "
+                + (", ".join(f"{side} {', '.join(n)}" for side, n in by.items() if n) or "none")
+                for family, by in sown.items()
+            )
+            lines.append(
+                f"conformance: sown in a training forward, undeclared (not checked): {listed}"
+            )
         lines += [
             f"conformance: {family}: {side} is bridged: parity tests the "
             f"{self.built[family][side].whole} bridge around the other backend's model"
@@ -108,7 +117,7 @@ class Settings:
             and (whole := [side for side, b in built.items() if b.whole])
         }
 
-    @functools.cached_property
+    @property
     def built(self) -> dict[str, dict[str, Built] | str]:
         """What each side of each family builds: model class and bridged modules.
 
@@ -116,10 +125,30 @@ class Settings:
         cannot run here, or whose model fails to build, says why instead (the checks
         report the failure).
         """
+        return {
+            name: found if isinstance(found, str) else found[0]
+            for name, found in self._survey.items()
+        }
+
+    @property
+    def sown(self) -> dict[str, dict[str, list[str]]]:
+        """What each side of each family sows in training and does not declare, by side.
+
+        ``{family: {"Linen": [...], "NNX": [...]}}`` for the base config
+        (:func:`~conformance.runtime.sown.undeclared`); a family not built is left out.
+        """
+        return {
+            name: found[1] for name, found in self._survey.items() if not isinstance(found, str)
+        }
+
+    @functools.cached_property
+    def _survey(self) -> dict[str, tuple[dict[str, Built], dict[str, list[str]]] | str]:
+        """Per family, :attr:`built` and :attr:`sown` from one build of each side, or why not."""
         from conformance.core.scope import Scope
         from conformance.runtime.backends import linen_runner, nnx_runner
+        from conformance.runtime.sown import undeclared
 
-        found = {}
+        found: dict[str, tuple[dict[str, Built], dict[str, list[str]]] | str] = {}
         for family in self.families:
             if (why := family.unavailable()) is not None:
                 found[family.name] = f"not built ({why})"
@@ -131,7 +160,12 @@ class Settings:
             try:
                 config = family.config(family.device_size, scan_layers=scan)
                 with Scope():
-                    found[family.name] = {n: r(family, config).built for n, r in runners.items()}
+                    built = {n: r(family, config).built for n, r in runners.items()}
+                    try:
+                        sown = undeclared(family, config)
+                    except Exception as err:  # the header says so; the checks report it
+                        sown = {"training forward": [f"not traced ({type(err).__name__}: {err})"]}
+                    found[family.name] = (built, sown)
             except Exception as err:  # a header line, not a verdict: the checks report it
                 found[family.name] = f"not built ({type(err).__name__}: {err})"
         return found
