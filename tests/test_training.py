@@ -18,7 +18,7 @@ from conformance.runtime.training import (
     target_weights,
 )
 from conformance_models.llama.family import LlamaFamily
-from tests.faults.training import StrayCounterBesideRngs
+from tests.faults.training import MoeLossWeightedOff, StrayCounterBesideRngs
 from tests.suite_run import run_check
 
 
@@ -143,3 +143,15 @@ def test_both_train_states_keep_declared_persistent_state_and_agree(tmp_path):
     assert linen.kinds["model/calls"] == nnx_.kinds["model/calls"] == "BatchStat"
     assert set(linen.kinds) == set(nnx_.kinds)
     run_check("train_step", family, tmp_path, parse_mesh("fsdp=8"), scan_layers=True)
+
+
+class MoeLossWeightedOn(MoeLossWeightedOff):
+    """The planted weight-0 moe with the hook that turns its loss on for ``aux_losses``."""
+
+    def aux_losses_config(self, config):
+        return dataclasses.replace(config, lb_weight=0.01)
+
+
+def test_aux_losses_trains_the_config_of_the_family_hook(tmp_path):
+    """Benign: a family whose loss is on only in its ``aux_losses_config`` passes."""
+    run_check("aux_losses", MoeLossWeightedOn(), tmp_path, parse_mesh("data=2,fsdp=2,tensor=2"))

@@ -471,7 +471,8 @@ def check_resume_conversion(case: Case, workdir: Path) -> None:
 def check_aux_losses(case: Case) -> None:
     """The auxiliary losses a family sows reach the training loss, alike on both backends.
 
-    One train step from the same parameters on each side: every name the family declares
+    One train step of the family's :meth:`~conformance.contract.Family.aux_losses_config`
+    from the same parameters on each side: every name the family declares
     (:attr:`~conformance.contract.Capabilities.aux_losses`) must be added to the loss and be
     non-zero, with a non-zero gradient of their own; the two sides' values and gradients
     must agree under the tolerance policy; and each side's loss must be its cross entropy
@@ -479,6 +480,7 @@ def check_aux_losses(case: Case) -> None:
     strips them before the loss, nothing adds them twice, nothing detaches them.
     """
     names = case.family.capabilities.aux_losses
+    case = case.with_config(case.family.aux_losses_config(case.config))
     pair = train_pair(case)
     batch = case.batch()
     gradients = [training.aux_gradient(batch) for training in pair]

@@ -407,6 +407,16 @@ class Family(abc.ABC):
         del config
         raise FamilyError(f"{self.name} does not support FP8 training")
 
+    def aux_losses_config(self, config: Any) -> Any:
+        """The config the ``aux_losses`` check trains: ``config`` itself by default.
+
+        For a family whose models sow their declared auxiliary losses
+        (:attr:`Capabilities.aux_losses`) only when a weight is on, as MaxText's
+        ``load_balance_loss_weight`` (0 in its ``base.yml``): return ``config`` with it
+        on, and every other check keeps the family's own config.
+        """
+        return config
+
     def decode_config(self, config: Any) -> Any:
         """``config`` whose modules decode one token per call (Flax's ``decode=True``).
 

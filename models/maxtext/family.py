@@ -419,6 +419,7 @@ class MaxTextDeepseek3(MaxTextFamily):
     name = "maxtext-deepseek3"
     model_name = "deepseek3-tiny"
     sizes = ("tiny", "deepseek3-671b")
+    capabilities = dataclasses.replace(MaxTextFamily.capabilities, aux_losses=("moe_lb_loss",))
     overrides = MappingProxyType(
         {
             "first_num_dense_layers": 1,
@@ -472,6 +473,18 @@ class MaxTextDeepseek3(MaxTextFamily):
             },
         },
     )
+
+    def aux_losses_config(self, config: MaxTextConfig) -> MaxTextConfig:
+        """``config`` with MaxText's load-balancing loss on (``load_balance_loss_weight``).
+
+        DeepSeek-V3 balances its experts through the routing bias and ships with the loss
+        off (``base.yml``: 0.0), as this family's other checks run it. On here, each MoE
+        layer sows ``moe_lb_loss``, on the path where MaxText's scanned-layer
+        load-balancing loss once went wrong (#4829).
+        """
+        return dataclasses.replace(
+            config, overrides=(*config.overrides, ("load_balance_loss_weight", 0.01))
+        )
 
 
 class MaxTextGemma2(MaxTextFamily):

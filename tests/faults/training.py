@@ -163,6 +163,15 @@ def _tiled_loss_detached(head, hidden, targets, weights, tiles):
     return _tiled_token_loss(head, jax.lax.stop_gradient(hidden), targets, weights, tiles)
 
 
+class MoeLossWeightedOff(Moe):
+    """moe whose load-balancing loss weight is 0, as MaxText's ``base.yml`` ships it, and
+    whose ``aux_losses_config`` does not turn it on: the loss is sown, and it is 0."""
+
+    def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> Any:
+        base = super().config(size, scan_layers=scan_layers, dtype=dtype)
+        return dataclasses.replace(base, lb_weight=0.0)
+
+
 class ReshardedTrainState(NnxTrainState):
     """NNX optimizer state whose mu for block 0's MLP up kernel is annotated on swapped axes."""
 
@@ -212,6 +221,11 @@ FAULTS = (
         "aux_losses",
         ("NNX: the auxiliary losses (moe_lb_loss) have no gradient",),
         model_patch=(moe_nnx.MoeMlp, "__call__", _detached_load_balancing),
+    ),
+    Fault(
+        MoeLossWeightedOff(),
+        "aux_losses",
+        ("moe_lb_loss: Linen's train step added exactly 0 to its loss",),
     ),
     Fault(
         Llama(),
