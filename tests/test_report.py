@@ -34,6 +34,7 @@ from conformance.core.records import (
     measure,
 )
 from conformance.core.scope import Scope
+from conformance.pytest_plugin.progress import covered
 from conformance.report import plots, render
 from conformance.report.model import (
     SCHEMA_PATH,
@@ -43,6 +44,7 @@ from conformance.report.model import (
     matrix_rows,
     measurement_json,
     merge,
+    time_by_area,
     write_part,
 )
 from conformance.runtime.case import Case
@@ -273,3 +275,33 @@ def test_a_test_is_reported_under_its_node_id_without_its_xdist_group():
     assert plain_nodeid(grouped) == grouped.split("@")[0]
     assert plain_nodeid("tests/test_a.py::test_b[x@y]") == "tests/test_a.py::test_b[x@y]"
     assert plain_nodeid("tests/test_a.py::test_b@g") == "tests/test_a.py::test_b"
+
+
+def test_time_goes_to_each_area_and_nested_traces_count_once():
+    assert covered([(0.0, 3.0), (1.0, 2.0), (5.0, 6.0)]) == 4.0
+    tests = [
+        {"area": "training", "duration_s": 10.0, "compiles": 4, "compile_s": 6.0, "trace_s": 3.0},
+        {"area": "training", "duration_s": 2.0, "compiles": 1, "compile_s": 1.0, "trace_s": 0.5},
+        {"area": "structure", "duration_s": 1.0, "compiles": 0, "compile_s": 0.0, "trace_s": 1.5},
+        {"area": None, "duration_s": 50.0},
+    ]
+    assert time_by_area(tests) == [
+        {
+            "area": "training",
+            "tests": 2,
+            "wall_s": 12.0,
+            "trace_s": 3.5,
+            "compile_s": 7.0,
+            "run_s": 1.5,
+            "compiles": 5,
+        },
+        {
+            "area": "structure",
+            "tests": 1,
+            "wall_s": 1.0,
+            "trace_s": 1.5,
+            "compile_s": 0.0,
+            "run_s": 0.0,
+            "compiles": 0,
+        },
+    ]

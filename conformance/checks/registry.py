@@ -131,6 +131,14 @@ class Check:
                     raise
                 fail(message)
 
+    @property
+    def area(self) -> str:
+        """Its area: its module in :mod:`conformance.checks` (``training``, ``decode``, ...).
+
+        ``user`` for a user's own test.
+        """
+        return "user" if self.run is None else self.run.__module__.rsplit(".", 1)[-1]
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpectedFailure:

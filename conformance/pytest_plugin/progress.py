@@ -21,11 +21,19 @@ from conformance.core import programs
 from conformance.pytest_plugin import workers
 from conformance.pytest_plugin.scopes import RELEASED
 from conformance.report.collector import outcome
+from conformance.report.model import SPENT
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 """jax's event for one program made executable (compiled, or read from the cache)."""
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 """jax's event for one executable read back from the persistent compilation cache."""
+TRACE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+)
+"""jax's events for tracing a function to a jaxpr and lowering it: a test's trace time.
+A jitted function traced inside another's trace is timed within it too, so a test's
+trace seconds are the union of these intervals, not their sum."""
 LABEL = "progress"
 """The user property a worker's test carries its progress label in."""
 
@@ -33,8 +41,9 @@ LABEL = "progress"
 class CompileClock:
     """Counts the programs XLA makes executable and their seconds, per test and per run.
 
-    Each test gets the user properties ``compiles``, ``cache_hits`` and ``compile_s``
-    (seconds), which JUnit XML reports carry (``-o junit_family=xunit1``).
+    Each test gets the user properties ``compiles``, ``cache_hits``, ``compile_s`` and
+    ``trace_s`` (seconds tracing and lowering), which the report sums per check area and
+    JUnit XML reports carry (``-o junit_family=xunit1``).
     """
 
     def __init__(self) -> None:
@@ -42,6 +51,8 @@ class CompileClock:
         self.workers = 0
         self.wall = time.perf_counter()
         self.start: tuple[int, int, float] = (0, 0, 0.0)
+        self.traces: list[tuple[float, float]] = []
+        """The current test's trace and lowering intervals, ``(start, end)``."""
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
 
@@ -49,6 +60,9 @@ class CompileClock:
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
             self.seconds += duration
+        elif event in TRACE_EVENTS:
+            end = time.perf_counter()
+            self.traces.append((end - duration, end))
 
     def _on_event(self, event: str, **_: Any) -> None:
         if event == CACHE_HIT_EVENT:
@@ -58,16 +72,18 @@ class CompileClock:
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """Start counting for ``item``."""
         self.start = (self.count, self.hits, self.seconds)
+        self.traces = []
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
         """Attach the test's counts before its last report, which JUnit XML reads."""
         if call.when == "teardown":
             count, hits, seconds = self.start
+            compile_s, trace_s = self.seconds - seconds, covered(self.traces)
+            spent = (self.count - count, round(compile_s, 3), round(trace_s, 3))
             item.user_properties += [
-                ("compiles", self.count - count),
+                *zip(SPENT, spent, strict=True),
                 ("cache_hits", self.hits - hits),
-                ("compile_s", round(self.seconds - seconds, 3)),
             ]
         return (yield)
 
@@ -107,6 +123,16 @@ class CompileClock:
                 f"({self.hits} read from the persistent cache) in {self.seconds:.1f} s{summed} "
                 f"of {wall:.1f} s wall"
             )
+
+
+def covered(intervals: Sequence[tuple[float, float]]) -> float:
+    """The seconds the union of ``(start, end)`` intervals covers (nested ones count once)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 class _Lines:

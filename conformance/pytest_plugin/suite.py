@@ -38,6 +38,7 @@ from conformance.pytest_plugin.plan import (
 )
 from conformance.pytest_plugin.session import settings
 from conformance.pytest_plugin.tiers import Tier
+from conformance.report.model import AREA
 from conformance.runtime.case import Case
 
 _COLLECTED = pytest.StashKey[set[str]]()
@@ -92,6 +93,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if path is not None:
                 config.stash[CLAIMED].add(path)
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
+        item.user_properties.append((AREA, planned.check.area))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)

@@ -18,6 +18,8 @@ import pytest
 from conformance.core import records
 from conformance.report import render
 from conformance.report.model import (
+    AREA,
+    SPENT,
     Json,
     RecordedTest,
     ReportError,
@@ -105,10 +107,16 @@ class ReportCollector:
         """Fold one phase of a test into its record."""
         nodeid = plain_nodeid(report.nodeid)
         record = self.tests.setdefault(nodeid, RecordedTest(nodeid))
-        key = dict(report.user_properties).get("conformance")
+        properties = dict(report.user_properties)
+        key = properties.get("conformance")
         if key is not None:
             record.family, record.check = key
             record.case = case_of(nodeid, record.family)
+            record.area = properties.get(AREA)
+        if report.when == "teardown":
+            record.compiles, record.compile_s, record.trace_s = (
+                properties.get(name, 0) for name in SPENT
+            )
         record.duration_s += report.duration
         record.measurements += getattr(report, "conformance_measurements", [])
         record.costs += getattr(report, "conformance_costs", [])

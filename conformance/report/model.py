@@ -89,6 +89,13 @@ def costs_json(c: Costs) -> Json:
     return {"program": c.program, "sides": {name: dict(t) for name, t in c.sides.items()}}
 
 
+AREA = "conformance_area"
+"""The user property a suite test carries its check's area in (``training``, ...)."""
+SPENT = ("compiles", "compile_s", "trace_s")
+"""The user properties a test carries what its programs cost in: how many XLA made
+executable, and the seconds compiling and tracing (with lowering) took."""
+
+
 @dataclasses.dataclass
 class RecordedTest:
     """What a report says about one test, built up from its setup, call and teardown."""
@@ -102,10 +109,17 @@ class RecordedTest:
     message: str = ""
     measurements: list[Json] = dataclasses.field(default_factory=list)
     costs: list[Json] = dataclasses.field(default_factory=list)
+    area: str | None = None
+    """Its check's area (:data:`AREA`); ``None`` for a test that is not a suite check's."""
+    compiles: int = 0
+    compile_s: float = 0.0
+    trace_s: float = 0.0
+    """What its programs cost (:data:`SPENT`): how many compiled, seconds compiling, tracing."""
 
     def to_json(self) -> Json:
         """The record as ``report.json`` holds it."""
-        return {**dataclasses.asdict(self), "duration_s": round(self.duration_s, 3)}
+        seconds = ("duration_s", "compile_s", "trace_s")
+        return {**dataclasses.asdict(self), **{k: round(getattr(self, k), 3) for k in seconds}}
 
 
 def plain_nodeid(nodeid: str) -> str:
@@ -203,7 +217,40 @@ def merge(root: Path) -> Json:
     }
     if upgrades := [u for p in parts for u in p.get("upgrades", [])]:
         report["upgrades"] = upgrades
+    if spent := time_by_area(tests):
+        report["time"] = spent
     return report
+
+
+def time_by_area(tests: Sequence[Mapping[str, Any]]) -> list[Json]:
+    """Where the tests' time went, per check area, the costliest first.
+
+    ``wall_s`` sums the tests' durations (setup, call and teardown); of it, ``trace_s``
+    traced and lowered, ``compile_s`` compiled, and ``run_s`` is the rest (running the
+    programs, and the harness's own work). A test without an area is left out.
+    """
+    areas: dict[str, Counter[str]] = {}
+    for test in tests:
+        if (area := test.get("area")) is None:
+            continue
+        totals = areas.setdefault(area, Counter())
+        totals["tests"] += 1
+        totals["wall_s"] += test["duration_s"]
+        for name in SPENT:
+            totals[name] += test.get(name, 0)
+    rows = [
+        {
+            "area": area,
+            "tests": t["tests"],
+            "wall_s": round(t["wall_s"], 3),
+            "trace_s": round(t["trace_s"], 3),
+            "compile_s": round(t["compile_s"], 3),
+            "run_s": round(max(t["wall_s"] - t["trace_s"] - t["compile_s"], 0.0), 3),
+            "compiles": t["compiles"],
+        }
+        for area, t in areas.items()
+    ]
+    return sorted(rows, key=lambda r: (-r["wall_s"], r["area"]))
 
 
 def suite_tests(report: Mapping[str, Any]) -> list[Json]:

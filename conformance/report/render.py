@@ -82,6 +82,22 @@ def _headroom_rows(report: Json) -> list[list[str]]:
     return rows
 
 
+def _time_rows(report: Json) -> list[list[str]]:
+    """The report's time per check area as a table; empty when it has none."""
+    if not report.get("time"):
+        return []
+    head = ["area", "tests", "wall", "trace", "compile", "run and the rest", "programs compiled"]
+    return [head] + [
+        [
+            t["area"],
+            str(t["tests"]),
+            *(f"{t[k]:.1f}" for k in ("wall_s", "trace_s", "compile_s", "run_s")),
+            str(t["compiles"]),
+        ]
+        for t in report["time"]
+    ]
+
+
 def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
     """The matrix, headroom, cost table and a section per failure, under ``limit`` bytes."""
 
@@ -108,6 +124,8 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
     if upgrade := upgrade_lines(report):
         lines += ["", "## Release upgrade", *upgrade]
+    if spent := _time_rows(report):
+        lines += ["", "## Where the time goes (seconds, summed over processes)", "", *table(spent)]
     failed = failures(report)
     lines += ["", f"## Failures ({len(failed)})", ""]
     text = "\n".join(lines) + "\n"
@@ -176,6 +194,9 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
     if upgrade := upgrade_lines(report):
         text = "\n".join(upgrade).strip()
         parts += ["<h2>Release upgrade</h2>", f"<pre>{html.escape(text)}</pre>"]
+    if spent := _time_rows(report):
+        parts += ["<h2>Where the time goes (seconds, summed over processes)</h2>"]
+        parts.append(_html_table(spent))
     failed = failures(report)
     parts.append(f"<h2>Failures ({len(failed)})</h2>")
     for test in failed:
