@@ -12,6 +12,10 @@ run. ``--runs ci`` runs only the first.
 built-in families); any other argument goes to pytest, e.g.
 ``python scripts/benchmark.py --tier smoke -k forward``.
 
+``--budget`` instead runs each tier of :data:`BUDGET` as ``make parity TIER=<tier>``
+does (the built-in families, one pytest-xdist worker per core, at most 4, cache off) and
+prints its wall time against the tier's budget.
+
 This is a benchmark, not a test: it never fails on a time.
 """
 
@@ -34,6 +38,9 @@ SUMMARY = re.compile(
     r"^(\d+ programs compiled.*|compiled programs released .*|\d+ passed.*|=+ .* =+)$"
 )
 RUNS = ("ci", "cold", "warm")
+BUDGET = {"smoke": 180.0, "default": 420.0}
+"""Seconds each tier's parity run may take on a fresh clone, cache off, on the faster of
+CI's 2-core machine kinds (README, "Speed"); CI per change has 30 minutes in all."""
 
 
 def run_suite(
@@ -87,6 +94,31 @@ def totals(junit: Path, key: str) -> dict[str, tuple[int, float, int, float]]:
     return {k: (int(n), t, int(c), cs) for k, (n, t, c, cs) in sorted(sums.items())}
 
 
+def budget(families: list[str], scale: float) -> int:
+    """Run each tier of :data:`BUDGET` as ``make parity`` does; print it against its budget.
+
+    ``scale`` multiplies the budgets, for a slower machine (2.39 on the README's **B**).
+    """
+    workers = min(os.cpu_count() or 1, 4)
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    print(f"each tier as `make parity TIER=<tier>` runs it: {', '.join(families)}, ", end="")
+    print(f"{workers} worker(s) on {os.cpu_count()} CPU cores, compilation cache off")
+    print(f"{'tier':<8} {'wall':>8} {'budget':>8}  verdict")
+    for tier, seconds in BUDGET.items():
+        allowed = seconds * scale
+        command = [sys.executable, "-m", "conformance", "--tier", tier]
+        command += [a for f in families for a in ("--family", f)]
+        command += ["-n", str(workers)] if workers > 1 else []
+        start = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - start
+        verdict = "within" if wall <= allowed else f"over by {100 * (wall / allowed - 1):.0f} %"
+        print(f"{tier:<8} {wall:7.1f}s {allowed:7.0f}s  {verdict} (exit {done.returncode})")
+    print(f"CI per change: `.ci/run` prints its own wall time (budget {1800 * scale:.0f} s)")
+    return 0
+
+
 def main() -> int:
     """Run as CI runs it, then cold and warm with a cache, and print the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -95,8 +127,14 @@ def main() -> int:
     parser.add_argument(
         "--runs", default=",".join(RUNS), help=f"comma-separated runs of {', '.join(RUNS)}"
     )
+    parser.add_argument("--budget", action="store_true", help="each tier against its budget")
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply the budgets (2.39 on machine B)"
+    )
     args, pytest_args = parser.parse_known_args()
     families = args.family or list(BUILTIN)
+    if args.budget:
+        return budget(families, args.scale)
     pytest_args = [
         "--conformance-tier",
         args.tier,
