@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
+from conformance.cli.options import add_goldens
 from conformance.core.environment import (
     XLA_OPT_LEVELS,
     configure_host_platform,
@@ -46,13 +46,7 @@ def parser() -> argparse.ArgumentParser:
         choices=("linen", "nnx"),
         help="record only this backend; default: each the family declares",
     )
-    cli.add_argument(
-        "--goldens",
-        type=Path,
-        default=Path("goldens"),
-        help="the project's goldens directory, for a family that does not ship its own "
-        "(Family.goldens; the built-in families do); default: ./goldens",
-    )
+    add_goldens(cli)
     cli.add_argument(
         "--update", action="store_true", help="replace references whose numbers changed"
     )

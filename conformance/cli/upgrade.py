@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from conformance.cli.options import add_goldens
 from conformance.core.environment import (
     XLA_OPT_LEVELS,
     configure_host_platform,
@@ -50,13 +51,7 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="family name or glob (repeatable); default: every family keeping goldens per release",
     )
-    cli.add_argument(
-        "--goldens",
-        type=Path,
-        default=Path("goldens"),
-        help="the project's goldens directory, for a family that does not ship its own "
-        "(Family.goldens; the built-in families do); default: ./goldens",
-    )
+    add_goldens(cli)
     cli.add_argument(
         "--report", type=Path, help="a run's report directory: read its verdicts, add the section"
     )
