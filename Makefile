@@ -115,16 +115,17 @@ WHEEL_VENV := .venv-wheel
 WHEEL_CHECKS ?= structure or sharding or recorded
 
 test-wheel: $(STAMP)
-	rm -rf dist $(WHEEL_VENV)
+	rm -rf build dist $(WHEEL_VENV)
 	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
-	@empty="$$(mktemp -d)"; cd "$$empty" && \
+	@empty="$$(mktemp -d)"; status=0; cd "$$empty" && \
 	  $(abspath $(WHEEL_VENV))/bin/python -m conformance $(BUILTIN) --tier smoke \
-	  -k '$(WHEEL_CHECKS)' $(REPORT_ARG) $(ARGS)
+	  -k '$(WHEEL_CHECKS)' $(REPORT_ARG) $(ARGS) || status=$$?; \
+	  rm -rf "$$empty"; exit $$status
 
 benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-maxtext-* $(WHEEL_VENV) dist
+	rm -rf $(VENV) .venv-maxtext-* $(WHEEL_VENV) build dist

@@ -196,3 +196,15 @@ def test_regenerating_the_goldens_an_installed_package_ships_is_refused(pytester
             f"ships: gpt3 ({GOLDENS}); regenerate them from a clone of the package's repository"
         ]
     )
+
+
+def test_a_user_golden_test_without_a_project_is_a_usage_error(pytester, monkeypatch):
+    pytester.makepyfile(test_golden=GOLDEN_TEST.replace("VALUE", "1"))
+    empty = pytester.path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(empty)
+    result = pytester.runpytest(
+        "--conformance-family", "gpt3", str(pytester.path / "test_golden.py")
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: *test_golden.py::test_shape*: family 'gpt3' keeps its*"])

@@ -241,6 +241,7 @@ def test_builtin_families_can_be_left_out_by_ini(pytester):
         (["--report", "/tmp", "tests"], ["--conformance-report=/tmp", "tests"]),
         (["--conformance-shared-dir", "."], ["--conformance-shared-dir=."]),
         (["--tier"], ["--conformance-tier"]),
+        (["--report", "--progress"], ["--conformance-report", "--progress"]),
     ],
 )
 def test_main_takes_the_plugin_options_without_their_prefix(argv, expanded):

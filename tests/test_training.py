@@ -155,3 +155,11 @@ class MoeLossWeightedOn(MoeLossWeightedOff):
 def test_aux_losses_trains_the_config_of_the_family_hook(tmp_path):
     """Benign: a family whose loss is on only in its ``aux_losses_config`` passes."""
     run_check("aux_losses", MoeLossWeightedOn(), tmp_path, parse_mesh("data=2,fsdp=2,tensor=2"))
+
+
+def test_grad_accumulation_runs_where_the_own_config_sows_no_auxiliary_loss():
+    from conformance.checks import registry
+
+    requires = registry.get("grad_accumulation").requires
+    assert "sows auxiliary losses" in requires(MoeLossWeightedOff())
+    assert requires(MoeLossWeightedOn()) is None

@@ -208,8 +208,12 @@ def _declares_bridges(family: Family) -> str | None:
 
 
 def _additive_loss(family: Family) -> str | None:
-    """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot."""
-    if names := family.capabilities.aux_losses:
+    """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot.
+
+    Only a family whose own configs sow auxiliary losses (:attr:`Family.sows_aux_losses`).
+    """
+    if family.sows_aux_losses:
+        names = family.capabilities.aux_losses
         return (
             f"{family.name} sows auxiliary losses ({', '.join(names)}) that may be computed "
             "from batch statistics: accumulated over micro-batches they are computed per "

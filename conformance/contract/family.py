@@ -245,8 +245,8 @@ class Family(abc.ABC):
 
     goldens: Path | None = None
     """The directory holding this family's goldens and recorded references, for a family
-    that ships them in its package (the built-in families do: ``Path(__file__).parent /
-    "goldens"``, absolute, so it never follows the working directory). The suite's checks
+    that ships them in its package (the built-in families do: ``Path(__file__).resolve().parent
+    / "goldens"``, absolute, so it never follows the working directory). The suite's checks
     of this family read and regenerate them there, whatever project runs it. ``None`` (the
     default): the running project's goldens directory, the ``conformance_goldens`` ini
     option resolved against the file that sets it. A user's own golden tests always keep
@@ -406,6 +406,15 @@ class Family(abc.ABC):
         """
         del config
         raise FamilyError(f"{self.name} does not support FP8 training")
+
+    @property
+    def sows_aux_losses(self) -> bool:
+        """Whether the family's own configs sow its declared auxiliary losses.
+
+        They do unless the family turns them on only in :meth:`aux_losses_config`.
+        """
+        own = type(self).aux_losses_config is Family.aux_losses_config
+        return bool(self.capabilities.aux_losses) and own
 
     def aux_losses_config(self, config: Any) -> Any:
         """The config the ``aux_losses`` check trains: ``config`` itself by default.

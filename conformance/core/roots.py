@@ -11,6 +11,7 @@ directory or on the rootdir pytest infers from the command line.
 from __future__ import annotations
 
 import dataclasses
+import site
 import sysconfig
 from pathlib import Path
 
@@ -75,6 +76,9 @@ def project_goldens(directory: Path, value: str) -> Path:
 
 
 def installed(path: Path) -> bool:
-    """Whether ``path`` lies in an installed package (site-packages), not in a project."""
+    """Whether ``path`` lies in an installed package (a site directory), not in a project."""
     paths = sysconfig.get_paths()
-    return any(path.is_relative_to(Path(paths[key]).resolve()) for key in ("purelib", "platlib"))
+    sites = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
+    sites.append(site.getusersitepackages())
+    here = path.resolve()
+    return any(here.is_relative_to(Path(directory).resolve()) for directory in sites)

@@ -185,7 +185,8 @@ def expand(argv: Sequence[str]) -> list[str]:
         name, eq, value = arg.partition("=")
         flag = flags.get(name)
         if flag in valued and not eq and (following := next(rest, None)) is not None:
-            expanded.append(f"{flag}={following}")
+            joined = not following.startswith("-")  # else argparse says the value is missing
+            expanded += [f"{flag}={following}"] if joined else [flag, following]
         elif flag is not None:
             expanded.append(f"{flag}{eq}{value}")
         else:

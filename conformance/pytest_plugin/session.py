@@ -280,8 +280,28 @@ def _goldens(config: pytest.Config, families: list[Family]) -> Goldens:
     pytest read its configuration from (or, with no file, of the invocation for a ``-o``
     override). Raises :class:`GoldensError` when that configuration was found from an
     option's value, a family needs the project's and there is none, ``--snapshot-update``
-    would write into an installed package, or the processes of a run disagree.
+    would write into an installed package, or the processes of a run disagree. Every
+    process of a multi-controller run compares its verdict with the others' before any
+    raises, so that none is left waiting for one that stopped.
     """
+    try:
+        goldens = _resolved(config, families)
+        described, problem = goldens.describe(families), None
+    except GoldensError as err:
+        described, problem = [f"error: {err}"], err
+    if distributed.is_multiprocess() and (found := distributed.differences(described)):
+        raise GoldensError(f"the processes resolve goldens differently: {found}")
+    if problem is not None:
+        raise problem
+    if workers.is_worker(config) and (sent := workers.given(config, "goldens")) != described:
+        raise GoldensError(
+            f"this xdist worker resolves goldens to {described}, its controller to {sent}"
+        )
+    return goldens
+
+
+def _resolved(config: pytest.Config, families: list[Family]) -> Goldens:
+    """The goldens directories as this process resolves them (see :func:`_goldens`)."""
     _refuse_configuration_from_option_values(config)
     value = config.getini("conformance_goldens")
     overridden = any(o.startswith("conformance_goldens=") for o in config.option.override_ini or ())
@@ -299,13 +319,6 @@ def _goldens(config: pytest.Config, families: list[Family]) -> Goldens:
             "--snapshot-update would write into an installed package the goldens it ships: "
             f"{', '.join(shipped)}; regenerate them from a clone of the package's repository"
         )
-    described = goldens.describe(families)
-    if workers.is_worker(config) and (sent := workers.given(config, "goldens")) != described:
-        raise GoldensError(
-            f"this xdist worker resolves goldens to {described}, its controller to {sent}"
-        )
-    if distributed.is_multiprocess() and (found := distributed.differences(described)):
-        raise GoldensError(f"the processes resolve goldens differently: {found}")
     return goldens
 
 
@@ -355,7 +368,7 @@ def _register(config: pytest.Config, run: Settings) -> None:
     manager.register(suite, "conformance-suite")
     if workers.is_worker(config):
         manager.register(workers.WholeGroups(), "conformance-whole-groups")
-    if workers.is_controller(config):
+    if not workers.is_worker(config):  # its hook runs only where xdist starts workers
         handed = {"goldens": run.goldens.describe(list(run.families))}
         manager.register(workers.Handover(handed), "conformance-handover")
     manager.register(SessionReport(config), "conformance-report")

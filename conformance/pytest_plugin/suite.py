@@ -22,6 +22,7 @@ from conformance.checks import registry
 from conformance.core import distributed
 from conformance.core.failure import CheckFailure
 from conformance.core.references import references_root
+from conformance.core.roots import GoldensError
 from conformance.core.sharding import InsufficientDevices, MeshSpec
 from conformance.pytest_plugin import options
 from conformance.pytest_plugin.goldens import WRITTEN, Golden
@@ -89,9 +90,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             kept.append(item)
             continue
         config.stash[_COLLECTED].add(planned.family.name)
-        for path in (planned.golden(run), planned.reference(run)):
-            if path is not None:
-                config.stash[CLAIMED].add(path)
+        try:
+            claims = (planned.golden(run), planned.reference(run))
+        except GoldensError as err:  # a user's golden test in a run with no project
+            raise pytest.UsageError(f"{item.nodeid}: {err}") from None
+        config.stash[CLAIMED].update(path for path in claims if path is not None)
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
         item.user_properties.append((AREA, planned.check.area))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
