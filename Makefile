@@ -19,6 +19,14 @@ BUILTIN := --family gpt3 --family llama --family moe
 ## every process that writes to DIR (see README "Reports").
 REPORT ?=
 REPORT_ARG := $(if $(REPORT),--report=$(abspath $(REPORT)))
+## CACHE=DIR turns jax's persistent compilation cache on, in DIR, for every run below:
+## a program compiled once is read back by later runs (see README "The persistent
+## compilation cache is opt-in" for why it is off by default).
+CACHE ?=
+ifneq ($(CACHE),)
+export JAX_COMPILATION_CACHE_DIR := $(abspath $(CACHE))
+export JAX_ENABLE_COMPILATION_CACHE := true
+endif
 
 .PHONY: setup setup-maxtext parity test test-maxtext test-wheel upgrade-report multihost lint \
 	goldens goldens-maxtext benchmark clean
