@@ -13,6 +13,29 @@ import re
 from collections import Counter
 from typing import Any
 
+BUDGET = {
+    "flops": 1.05,
+    "bytes_accessed": 1.10,
+    "argument_bytes": 1.10,
+    "output_bytes": 1.10,
+    "temp_bytes": 1.10,
+}
+"""How much more than Linen NNX may cost, per measure (NNX costing less always passes);
+a collective kind's bytes are held to ``bytes_accessed``'s."""
+
+SCANNED_REMAT_TEMP = 1.30
+"""The temporary-memory budget of the rematerialised train step in the scanned layout.
+
+With flax 0.12.12, ``nnx.remat`` inside ``nnx.scan`` keeps more temporary memory than
+``nn.remat`` inside ``nn.scan`` for the same blocks, whoever writes them: 1.237x (gpt3),
+1.160x (llama) and 1.135x (the contract example's toy-full, written independently) on
+``data=2,fsdp=2,tensor=2``; 1.039x and 1.015x on ``fsdp=8``. Dropping remat costs 2.6x."""
+
+COLLECTIVE_FLOOR = 1024
+"""Bytes of collectives that cost nothing worth a failure: the counts of a kind may
+differ, and its bytes exceed the budget, by collectives moving this much in all (an
+independently written NNX side gathered a 64-byte mask once more than Linen)."""
+
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 """The HLO collective operations counted (``-start`` forms count as their operation)."""
 
@@ -89,3 +112,35 @@ def cost_of(compiled: Any) -> Cost:
         alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
         collectives=collectives(compiled.as_text()),
     )
+
+
+def over_budget(program: str, linen: Cost, nnx: Cost, *, scanned: bool) -> list[str]:
+    """Each way NNX's ``program`` costs more than Linen's beyond :data:`BUDGET`, in words.
+
+    Memory and flops per measure; per collective kind, the count (equal, unless the
+    difference moves at most :data:`COLLECTIVE_FLOOR` bytes) and the bytes. ``scanned``
+    gives a rematerialised program (its name ends in ``(remat)``) the temporary-memory
+    budget :data:`SCANNED_REMAT_TEMP`.
+    """
+    problems = []
+    budgets = dict(BUDGET)
+    if scanned and program.endswith("(remat)"):
+        budgets["temp_bytes"] = SCANNED_REMAT_TEMP
+    for measure, budget in budgets.items():
+        a, b = getattr(linen, measure), getattr(nnx, measure)
+        if b > a * budget:
+            ratio = f" ({b / a:.3f} x)" if a else ""
+            problems.append(
+                f"{program}: {measure} NNX {b:,.0f} > {budget:g} x Linen {a:,.0f}{ratio}"
+            )
+    for kind in sorted(linen.collectives.keys() | nnx.collectives.keys()):
+        (count_a, bytes_a), (count_b, bytes_b) = (
+            side.collectives.get(kind, (0, 0)) for side in (linen, nnx)
+        )
+        recounted = count_a != count_b and abs(bytes_b - bytes_a) > COLLECTIVE_FLOOR
+        if recounted or bytes_b > bytes_a * BUDGET["bytes_accessed"] + COLLECTIVE_FLOOR:
+            problems.append(
+                f"{program}: {kind} Linen {count_a} op(s) of {bytes_a:,} bytes, "
+                f"NNX {count_b} op(s) of {bytes_b:,} bytes"
+            )
+    return problems

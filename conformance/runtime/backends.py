@@ -173,9 +173,12 @@ class LinenRunner:
         """Logits and sown per-block hidden states for ``batch``."""
         return self._forward(self.tree(params), batch)
 
-    def compiled_forward(self, params: Flat, batch: Batch) -> Any:
-        """The compiled program :meth:`forward` runs for these arguments (for its cost)."""
-        return self._forward.lower(self.tree(params), batch).compile()
+    def lowered_forward(self, params: Flat, batch: Batch) -> jax.stages.Lowered:
+        """The program :meth:`forward` runs for these arguments, lowered, not compiled.
+
+        ``params`` and ``batch`` may be ``jax.ShapeDtypeStruct`` leaves with shardings.
+        """
+        return self._forward.lower(self.tree(params), batch)
 
 
 class NnxRunner:
@@ -284,9 +287,27 @@ class NnxRunner:
         """Logits and sown per-block hidden states for ``batch``."""
         return self._forward(self.state(params), self.rest(mesh_of(params)), batch)
 
-    def compiled_forward(self, params: Flat, batch: Batch) -> Any:
-        """The compiled program :meth:`forward` runs for these arguments (for its cost)."""
-        return self._forward.lower(self.state(params), self.rest(mesh_of(params)), batch).compile()
+    def lowered_forward(self, params: Flat, batch: Batch) -> jax.stages.Lowered:
+        """The program :meth:`forward` runs for these arguments, lowered, not compiled.
+
+        ``params`` and ``batch`` may be ``jax.ShapeDtypeStruct`` leaves with shardings;
+        the non-parameter state goes in abstractly, replicated on the parameters' mesh,
+        so nothing is computed (the mesh may be one this host cannot run on).
+        """
+        return self._forward.lower(self.state(params), self.abstract_rest(mesh_of(params)), batch)
+
+    def abstract_rest(self, mesh: Mesh | None = None) -> nnx.State:
+        """:meth:`rest` as ``jax.ShapeDtypeStruct`` leaves, replicated on ``mesh``.
+
+        What a program is lowered with on a mesh this host may not run on.
+        """
+        if mesh is None:
+            return self._abstract_rest
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+            self._abstract_rest,
+        )
 
 
 @scoped

@@ -87,20 +87,28 @@ class _Decoder(abc.ABC):
         cache: Flat,
         batch: Batch,
         shardings: CacheShardings | None,
+        abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
-        """The jitted function of a ``mode`` call and the arguments it takes."""
+        """The jitted function of a ``mode`` call and the arguments it takes.
 
-    def compiled(
+        ``abstract``: what the side adds to the arguments is abstract too (for lowering).
+        """
+
+    def lowered(
         self,
         mode: str,
         params: Flat,
         cache: Flat,
         batch: Batch,
         shardings: CacheShardings | None = None,
-    ) -> Any:
-        """The compiled program :meth:`run` runs for these arguments (for its cost)."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        return fn.lower(*args).compile()
+    ) -> jax.stages.Lowered:
+        """The program :meth:`run` runs for these arguments, lowered, not compiled.
+
+        Every argument may be ``jax.ShapeDtypeStruct`` leaves with shardings: nothing is
+        computed, so the mesh may be one this host cannot run on.
+        """
+        fn, args = self._call(mode, params, cache, batch, shardings, abstract=True)
+        return fn.lower(*args)
 
 
 class LinenDecoder(_Decoder):
@@ -159,6 +167,7 @@ class LinenDecoder(_Decoder):
         cache: Flat,
         batch: Batch,
         shardings: CacheShardings | None,
+        abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda s: (None, s))
@@ -231,10 +240,12 @@ class NnxDecoder(_Decoder):
         cache: Flat,
         batch: Batch,
         shardings: CacheShardings | None,
+        abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
-        rest = self.runner.rest(mesh_of(params))
+        mesh = mesh_of(params)
+        rest = self.runner.abstract_rest(mesh) if abstract else self.runner.rest(mesh)
         return fn, (self.runner.state(params), self._state(cache), rest, batch)
 
 

@@ -194,6 +194,11 @@ def accumulate(
     return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
 
 
+def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    """``leaf``'s shape and dtype with ``sharding``: an argument nothing is allocated for."""
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
 def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any) -> Any:
     """Jit ``step(state, batch, micro_sharding=...)`` once per state sharding."""
     leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
@@ -282,6 +287,15 @@ class LinenTrainer:
         """The train state's tree holding ``by_path``'s arrays or shardings, by path."""
         return jax.tree_util.tree_map_with_path(
             lambda keys, _: by_path[join_path(keys)], self.abstract_state
+        )
+
+    def abstract(self, shardings: Mapping[str, NamedSharding]) -> Any:
+        """The train state as ``jax.ShapeDtypeStruct`` leaves with ``shardings`` (by path).
+
+        What a step lowers for a mesh without allocating anything.
+        """
+        return jax.tree_util.tree_map_with_path(
+            lambda keys, leaf: _abstract(leaf, shardings[join_path(keys)]), self.abstract_state
         )
 
     def _streams(self, step: jax.Array) -> dict[str, jax.Array]:
@@ -514,6 +528,15 @@ class NnxTrainer:
         """The train state's ``nnx.State`` holding ``by_path``'s arrays or shardings."""
         return nnx.from_flat_state(
             [(self._keys[p], var.replace(by_path[p])) for p, var in self._vars.items()]
+        )
+
+    def abstract(self, shardings: Mapping[str, NamedSharding]) -> nnx.State:
+        """The train state as ``jax.ShapeDtypeStruct`` leaves with ``shardings`` (by path).
+
+        What a step lowers for a mesh without allocating anything.
+        """
+        return self.tree(
+            {p: _abstract(var.get_value(), shardings[p]) for p, var in self._vars.items()}
         )
 
     def _train(self, state: nnx.State) -> Any:
