@@ -28,8 +28,8 @@ export JAX_COMPILATION_CACHE_DIR := $(abspath $(CACHE))
 export JAX_ENABLE_COMPILATION_CACHE := true
 endif
 
-.PHONY: setup setup-maxtext parity test test-maxtext test-wheel upgrade-report multihost lint \
-	goldens goldens-maxtext benchmark clean
+.PHONY: setup setup-maxtext setup-tpu parity test test-maxtext test-tpu test-wheel upgrade-report \
+	multihost lint goldens goldens-maxtext goldens-tpu benchmark clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,24 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 	$(MAXTEXT_VENV)/bin/python -m pip install --quiet -c constraints.txt \
 	  -c $(MAXTEXT_CONSTRAINTS) -e '.[dev,maxtext]'
 	touch $(MAXTEXT_STAMP)
+
+## libtpu (the `tpu` extra) lives in its own venv too: it compiles for TPU slices on this
+## host (`--tpu`), and `make setup` stays as light as before. JAX_PLATFORMS=cpu keeps jax
+## from looking for a TPU to run on; libtpu only compiles.
+TPU_VENV := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+TPU_RUN := JAX_PLATFORMS=cpu $(TPU_VENV)/bin/python
+## TPU: the slices `make test-tpu` compiles for (see README "TPU slices without a TPU").
+TPU ?= default
+
+setup-tpu: $(TPU_STAMP)
+
+$(TPU_STAMP): pyproject.toml constraints.txt constraints-tpu.txt
+	$(PYTHON) -m venv $(TPU_VENV)
+	$(TPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TPU_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-tpu.txt \
+	  -e '.[dev,tpu]'
+	touch $(TPU_STAMP)
 
 constraints-maxtext-%.txt:
 	@echo "error: MAXTEXT=$* is not a release this harness supports (constraints-maxtext-<release>.txt: $(patsubst constraints-maxtext-%.txt,%,$(wildcard constraints-maxtext-*.txt)))" >&2; exit 2
@@ -88,6 +106,17 @@ test-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance $(foreach f,$(MAXTEXT_FAMILIES),--family '$(f)') \
 	  --tier $(TIER) $(REPORT_ARG) $(ARGS)
 
+## The built-in families compiled for TPU slices by libtpu, at the tier's sizes, then the
+## TPU planted faults: nothing runs on a TPU, none is needed.
+test-tpu: $(TPU_STAMP)
+	@status=0; \
+	$(TPU_RUN) -m conformance $(BUILTIN) --tier $(TIER) --tpu $(TPU) -k tpu_compile \
+	  $(REPORT_ARG) $(ARGS) || status=$$?; \
+	$(TPU_RUN) -m pytest -p no:cacheprovider tests/faults -k tpu_compile --conformance-tier $(TIER) \
+	  --conformance-tpu $(TPU) $(if $(REPORT),--conformance-report=$(abspath $(REPORT))) \
+	  || status=$$?; \
+	exit $$status
+
 ## What changed from maxtext 0.2.4 to $(MAXTEXT): the MaxText families' recorded_* checks
 ## (this release's numbers against 0.2.4's recorded references), then the golden and
 ## checkpoint changes, as the "Release upgrade" section of the report in UPGRADE_REPORT
@@ -110,6 +139,10 @@ lint: $(STAMP)
 ## Only golden tests run (-m golden), at the full tier, so every golden the suite claims is written.
 goldens: $(STAMP)
 	$(BIN)/python -m conformance -m golden --snapshot-update --tier full $(ARGS)
+
+goldens-tpu: $(TPU_STAMP)
+	$(TPU_RUN) -m conformance $(BUILTIN) -m golden --snapshot-update --tier full --tpu $(TPU) \
+	  -k tpu_compile $(ARGS)
 
 goldens-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance -m golden --snapshot-update --family 'maxtext-*' \
@@ -136,4 +169,4 @@ benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-maxtext-* $(WHEEL_VENV) build dist
+	rm -rf $(VENV) .venv-maxtext-* $(TPU_VENV) $(WHEEL_VENV) build dist

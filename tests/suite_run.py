@@ -13,6 +13,7 @@ from conformance.checks import registry
 from conformance.contract import Family
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
+from conformance.core.tpu import TpuCompile
 from conformance_models import GOLDENS
 
 TOPOLOGY = parse_mesh("4x8x8")
@@ -29,11 +30,13 @@ def run_check(
     params: Mapping[str, Any] | None = None,
     references: Path | None = None,
     scan_layers: bool | None = None,
+    tpu: TpuCompile | None = None,
 ) -> Any:
     """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32.
 
     A check against a recorded reference reads it from ``references`` (default: the
-    repository's), recorded from Linen unless ``params`` say otherwise.
+    repository's), recorded from Linen unless ``params`` say otherwise; a TPU compile
+    (``tpu_compile``) compiles for ``tpu``.
     """
     check = registry.get(name)
     params = dict(params or {})
@@ -45,10 +48,12 @@ def run_check(
         "quant": quant,
         "mesh": mesh,
         "topology": TOPOLOGY,
+        "tpu": tpu,
     }
     target = registry.mesh_of(check, values, mesh)
     devices = target.devices() if check.devices and target is not None else None
     case = registry.case_of(check, values, target, devices)
+    params.update({axis: values[axis] for axis in check.given})
     if check.workdir:
         params["workdir"] = workdir
     if check.saved_on:
@@ -60,10 +65,15 @@ def run_check(
 
 
 def facets(
-    mesh: MeshSpec, quant: str | None, params: Mapping[str, Any] | None = None
+    mesh: MeshSpec,
+    quant: str | None,
+    params: Mapping[str, Any] | None = None,
+    *,
+    tpu_production: bool = False,
 ) -> dict[str, object]:
     """What a tier narrows the test that would run such a check by."""
     layouts = (params or {}).get("layouts", (0, 0))
     source, target = ("scan" if scan else "loop" for scan in layouts)
     found = {"mesh": mesh, "scan_layers": False, "dtype": "f32", "layouts": f"{source}-{target}"}
+    found["tpu_production"] = tpu_production
     return found | ({"quant": quant} if quant else {})

@@ -322,6 +322,23 @@ def test_a_platform_keyed_golden_of_another_platform_is_not_unused(tmp_path):
     assert unused_goldens(config, tmp_path, {mine}, {"gpt3"}) == [stale, gone]
 
 
+def test_a_run_of_named_tpu_slices_judges_no_golden_unused(tmp_path):
+    golden = tmp_path / "gpt3" / "tpu_compile" / "libtpu-0.0.50.1-xla-full"
+    mine, other = golden / "tiny-v6e-2x4-loop.json", golden / "6b-v5p-4x4x4-scan.json"
+    for path in (mine, other):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("{}\n")
+
+    def run(*tpu):
+        config = SimpleNamespace(
+            args=["conformance"], getoption=lambda name: list(tpu) if "tpu" in name else None
+        )
+        return unused_goldens(config, tmp_path, {mine}, {"gpt3"})
+
+    assert run("v6e:2x4") == []
+    assert run("default") == [other]
+
+
 def test_goldens_of_another_release_are_not_unused(tmp_path):
     config = SimpleNamespace(args=["conformance"], getoption=lambda name: None)
     family = tmp_path / "maxtext-gpt3"

@@ -260,6 +260,19 @@ def test_the_cost_table_shows_nnx_against_linen():
     assert "230 (1.150x) | same: all-gather x2 |" in markdown
 
 
+def test_the_tpu_memory_table_shows_each_side_per_device_against_the_chip():
+    base = Cost(100.0, 1000.0, 400, 40, 200, 0, {}).table()
+    linen = {**base, "footprint_bytes": 8 * 2**30, "hbm_bytes": 16 * 2**30}
+    nnx_ = {**linen, "footprint_bytes": 12 * 2**30}
+    record = RecordedTest("t::test_tpu_compile[fam-8b-v5e]", "fam", "tpu_compile", "8b-v5e")
+    record.costs = [costs_json(Costs("forward on v5e:4x4", {"linen": linen, "nnx": nnx_}))]
+    report = {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
+    markdown = render.markdown(report)
+    assert "## Memory per device, compiled for TPU" in markdown
+    assert "| fam | 8b-v5e | forward on v5e:4x4 | 8.00 | 12.00 | 1.500x | 75% |" in markdown
+    assert "Memory per device, compiled for TPU" in render.page(report, {})
+
+
 def test_a_family_with_a_bridged_side_is_labelled_in_the_matrix():
     results = {("zoo-model", "forward"): {"passed": 2}, ("gpt3", "forward"): {"passed": 2}}
     rows = matrix_rows(results, {"zoo-model": ["Linen"]})

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from types import FrameType
 
+from conformance.runtime.aot import abstract_batch, batch_rows, lowered_forward
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES, Side, live_sides
 from conformance.runtime.stepping import Training
@@ -26,6 +27,7 @@ _DOING = {
     ("model", "build"): "building the model",
     ("model", "init"): "initialising the parameters",
     ("model", "forward"): "running the forward",
+    ("model", "lowered_forward"): "lowering the forward",
     ("model", "quantize"): "quantizing the parameters",
     ("model", "quantized"): "quantizing the model",
     ("model", "convert"): "quantizing the parameters",
@@ -38,6 +40,7 @@ _DOING = {
     ("decoder", "init_cache"): "creating the KV cache",
     ("decoder", "init"): "creating the KV cache",
     ("decoder", "run"): "decoding",
+    ("decoder", "lowered"): "lowering a decode call",
     ("decoder", "serve"): "decoding",
     ("AQT model", "build"): "building the AQT model",
     ("AQT model", "convert"): "the AQT convert",
@@ -48,6 +51,8 @@ _DOING = {
 """What a side was doing, by the kind of object and its method (without ``_`` and ``_impl``)."""
 
 _MODEL_STEPS = ("building the model", "initialising the parameters", "running the forward")
+_COMPILE_STEPS = ("building the model", "lowering the forward")
+"""What :func:`probe` tries on devices it cannot run on (a TPU slice to compile for)."""
 _TRAINER_STEPS = ("building the trainer", "creating the train state", "running a train step")
 
 _MAX_LINES = 4
@@ -160,11 +165,16 @@ def probe(side: Side, trainer: bool) -> Raised | None:
     """How ``side`` fails built, initialised, run forward (and trained a step), or ``None``.
 
     The train step is probed only with ``trainer``; an error that is not raised inside
-    one of the side's objects is attributed to the step being probed.
+    one of the side's objects is attributed to the step being probed. On devices this
+    process cannot run on (a TPU slice to compile for) the forward is only lowered.
     """
     doing = "building the model"
     try:
         runner = side.runner
+        if not side.case.runs_here:  # a slice to compile for: lower, never run
+            doing = "lowering the forward"
+            lowered_forward(side, abstract_batch(side.case, batch_rows(side.case)))
+            return None
         doing = "initialising the parameters"
         params = runner.init(0, side.shardings())
         doing = "running the forward"
@@ -240,6 +250,8 @@ def report(case: Case, error: BaseException) -> str | None:
     sides = {side.name: side for side in live_sides(raised.case or case)}
     trainer = raised.doing in _TRAINER_STEPS
     probed = _MODEL_STEPS + (_TRAINER_STEPS if trainer else ())
+    if not (raised.case or case).runs_here:
+        probed = _COMPILE_STEPS
     lines = [
         f"{raised.side} raised {raised.kind} while {raised.doing} ({raised.call})",
         *raised.message(),

@@ -29,6 +29,7 @@ from conformance.checks import (
     recorded,
     state,
     structure,
+    tpu,
     training,
 )
 from conformance.contract import Family
@@ -45,6 +46,7 @@ AXES = (
     "full_size",
     "mesh",
     "topology",
+    "tpu",
     "scan_layers",
     "dtype",
     "quant",
@@ -52,9 +54,10 @@ AXES = (
 )
 """The axes a test can be parametrized over, in test-id order."""
 
-Where = Literal["each", "primary", "topology", "none"]
+Where = Literal["each", "primary", "topology", "tpu", "none"]
 """Where a check runs: on each device mesh of the run, on the run's primary mesh, on
-each abstract production topology, or on no mesh."""
+each abstract production topology, on each TPU slice it compiles for (``--tpu``: a
+mesh of the slice's devices, described by libtpu), or on no mesh."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +113,8 @@ class Check:
     """Why a case fails with the pinned libraries (a strict xfail), by its axis values."""
     requires: Callable[[Family], str | None] | None = None
     """Why a family cannot run this check beyond its capabilities (a skip reason)."""
+    given: tuple[str, ...] = ()
+    """Axes whose values the check is also given, as keyword arguments of those names."""
 
     def __call__(self, case: Case, **params: Any) -> Any:
         """Run the check on ``case``; its failures are headed ``<family> <check>:``.
@@ -319,6 +324,15 @@ CHECKS: dict[str, Check] = {
             golden=True,
             golden_by_platform=True,
         ),
+        Check(
+            "tpu_compile",
+            tpu.check_tpu_compile,
+            ("family", "tpu"),
+            where="tpu",
+            devices=False,
+            golden=True,
+            given=("tpu",),
+        ),
         # decode
         Check(
             "decode_cache",
@@ -512,14 +526,21 @@ def case_of(check: Check, values: Mapping[str, Any], mesh: MeshSpec | None, devi
     """The case a test of ``check`` runs on, from its axis values and its mesh.
 
     Axes a check is not parametrized over take their defaults: the family's device
-    size, its preferred layer layout, float32, no quantization.
+    size, its preferred layer layout, float32, no quantization. A TPU compile (axis
+    ``tpu``) brings its size, layout and the slice's devices; at production sizes it
+    computes in bfloat16, as production trains.
     """
     family = values["family"]
+    size = values.get("size") or values.get("full_size")
+    scan, dtype = values.get("scan_layers"), values.get("dtype", jnp.float32)
+    if (compile_ := values.get("tpu")) is not None:
+        size, scan, devices = compile_.size, compile_.scan_layers, compile_.target.devices()
+        dtype = jnp.bfloat16 if compile_.target.production else dtype
     return Case.of(
         family,
-        values.get("size") or values.get("full_size"),
-        scan_layers=values.get("scan_layers"),
-        dtype=values.get("dtype", jnp.float32),
+        size,
+        scan_layers=scan,
+        dtype=dtype,
         mesh=mesh,
         devices=devices,
         quant=values.get("quant"),
@@ -533,6 +554,8 @@ def mesh_of(check: Check, values: Mapping[str, Any], primary: MeshSpec) -> MeshS
             return values["mesh"]
         case "topology":
             return values["topology"]
+        case "tpu":
+            return values["tpu"].target.mesh
         case "primary":
             return primary
         case _:

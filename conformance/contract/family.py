@@ -184,7 +184,8 @@ class Family(abc.ABC):
     sizes: tuple[str, ...] = ("tiny",)
     """Config sizes. The first is run on devices by every numeric check; the others (for
     example production sizes) are only evaluated abstractly: structure and sharding
-    goldens, without allocating parameters."""
+    goldens, without allocating parameters, and compiled for a production TPU slice
+    (``--tpu GEN:AxB[xC]@production``)."""
 
     capabilities: Capabilities = Capabilities()
 

@@ -47,12 +47,13 @@ class Golden:
         family: str,
         check: str,
         written: set[Path] | None = None,
+        options: str = "",
     ) -> None:
         self._snapshot = snapshot.use_extension(GoldenExtension.for_root(root))
         self.root, self.path, self.update = root, path, update
         self.regenerate = (
-            f"python -m conformance --family {family} -m golden --snapshot-update --tier full "
-            f'-k "{check} and {path.stem}"'
+            f"python -m conformance --family {family} {options}-m golden --snapshot-update "
+            f'--tier full -k "{check} and {path.stem}"'
         )
         """The command that writes this golden alone."""
         self.written_elsewhere = written_elsewhere
@@ -131,12 +132,13 @@ def unused_goldens(
     A recorded reference counts as its manifest, claimed by the checks that compare with
     it: one a family no longer declares (or of a family that is gone) is unused too.
 
-    A run narrowed by node id or by ``--mesh``/``--topology`` checks nothing (it cannot
-    know what the rest of the suite claims); a run narrowed by ``--family`` checks only
-    those families (``families`` are the run's); ``-k``/``-m`` do not narrow (claims are
-    taken before deselection).
+    A run narrowed by node id, by ``--mesh``/``--topology`` or by ``--tpu`` slices other
+    than ``default`` checks nothing (it cannot know what the rest of the suite claims);
+    a run narrowed by ``--family`` checks only those families (``families`` are the
+    run's); ``-k``/``-m`` do not narrow (claims are taken before deselection).
     """
     narrowed = any("::" in arg for arg in config.args)
+    narrowed |= any(value != "default" for value in options.value(config, "tpu") or ())
     if narrowed or options.value(config, "mesh") or options.value(config, "topology"):
         return []
     references = references_root(root)

@@ -23,6 +23,9 @@ PREFIX = "--conformance-"
 
 DEFAULT_MESHES = ("data=2,fsdp=2,tensor=2", "fsdp=8")
 DEFAULT_TOPOLOGIES = ("4x4x4", "4x8x8")
+DEFAULT_TPU = ("v6e:2x4", "v5p:4x4x4@production")
+"""The TPU targets ``--tpu default`` names: a small slice at the device size, a large one
+at the production sizes (the tier decides which run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,17 @@ OPTIONS: tuple[Option, ...] = (
         default=[],
         action="append",
         metavar="SPEC",
+    ),
+    Option(
+        "tpu",
+        "compile both sides for this TPU slice on this host, without a TPU, and compare "
+        "what libtpu makes of them (repeatable): GEN:AxB[xC] (e.g. v6e:2x4) compiles the "
+        "device size, GEN:AxB[xC]@production each production size; '=MESH' after it "
+        "picks the mesh over its chips; 'default' names "
+        f"{' and '.join(DEFAULT_TPU)}. Needs libtpu (make setup-tpu)",
+        default=[],
+        action="append",
+        metavar="TARGET",
     ),
     Option(
         "tier",

@@ -27,6 +27,7 @@ from conformance.checks.registry import (
 from conformance.contract import Family
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
+from conformance.core.tpu import compiles
 from conformance.pytest_plugin.session import DTYPES, LAYOUTS, Settings, settings
 from conformance.runtime.quant import MODES
 
@@ -65,6 +66,9 @@ class Planned:
             found["dtype"] = dtype_ids.get(self.values["dtype"], "")
         if "layouts" in self.params:
             found["layouts"] = self.params["layouts"].id
+        if (compile_ := self.values.get("tpu")) is not None:
+            found["tpu_production"] = compile_.target.production
+            found["scan_layers"] = compile_.scan_layers
         return {k: v for k, v in found.items() if v is not None}
 
     def expected(self) -> ExpectedFailure | None:
@@ -87,7 +91,9 @@ class Planned:
         """Where its golden lives, ``<goldens>/<family>/<check>/<case>.json``, if it has one.
 
         A golden that depends on the platform (``Check.golden_by_platform``) lives at
-        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``;
+        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``,
+        one compiled for a TPU slice (axis ``tpu``) at
+        ``<goldens>/<family>/<check>/libtpu-<version>-xla-full/<case>.json``;
         a family with a :attr:`~conformance.contract.Family.release` keeps its goldens
         in a folder of that release, ``<goldens>/<family>/<release>/<check>/...``.
         """
@@ -100,6 +106,8 @@ class Planned:
         folder /= self.check.name
         if self.check.golden_by_platform:
             return folder / run.platform / f"{run.primary.id}-{case}.json"
+        if "tpu" in self.values:
+            return folder / run.tpu_platform / f"{case}.json"
         return folder / f"{case}.json"
 
     def reference(self, run: Settings) -> Path | None:
@@ -118,6 +126,8 @@ class Planned:
         restored here), the primary mesh.
         """
         scan = self.values.get("scan_layers")
+        if scan is None and (compile_ := self.values.get("tpu")) is not None:
+            scan = compile_.scan_layers
         if scan is None and "layouts" in self.params:
             scan = self.params["layouts"].value[0]
         if scan is None:
@@ -141,6 +151,9 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
             return [(m.id, m) for m in run.meshes]
         case "topology":
             return [(m.id, m) for m in run.topologies]
+        case "tpu":
+            layouts = family.capabilities.scan_layers
+            return [(c.id, c) for c in compiles(run.tpu, family.sizes, layouts)]
         case "scan_layers":
             return list(LAYOUTS.items())
         case "dtype":

@@ -27,6 +27,7 @@ from conformance.core.environment import (
 from conformance.core.references import references_root
 from conformance.core.roots import Goldens, GoldensError, installed, project_goldens
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
+from conformance.core.tpu import NOISE, TopologyError, TpuTarget, libtpu_version, slice_devices
 from conformance.pytest_plugin import options, workers
 from conformance.pytest_plugin.tiers import Tier
 from conformance.runtime.provenance import Built
@@ -49,6 +50,8 @@ class Settings:
     xla_opt: str
     goldens: Goldens
     """Where each family's goldens and recorded references live."""
+    tpu: tuple[TpuTarget, ...] = ()
+    """The TPU slices both sides are compiled for (``--tpu``); none by default."""
 
     @property
     def run_meshes(self) -> list[MeshSpec]:
@@ -64,6 +67,11 @@ class Settings:
     def platform(self) -> str:
         """``<platform>-xla-<level>``: what a platform-dependent golden is kept under."""
         return f"{jax.devices()[0].platform}-xla-{self.xla_opt}"
+
+    @property
+    def tpu_platform(self) -> str:
+        """``libtpu-<version>-xla-full``: what a golden compiled for a TPU slice is kept under."""
+        return f"libtpu-{libtpu_version()}-xla-full"
 
     def header(self) -> list[str]:
         """Lines saying what the run covers: tier, meshes, families, devices, references."""
@@ -82,6 +90,12 @@ class Settings:
             f"matmul precision {jax.config.jax_default_matmul_precision}; "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
         ]
+        if self.tpu:
+            lines.append(
+                f"conformance: TPU compiles (libtpu {libtpu_version()}, XLA defaults, nothing "
+                f"runs): {'; '.join(map(str, self.tpu))}"
+                + (f"; libtpu start-up wrote {len(NOISE)} line(s), held back" if NOISE else "")
+            )
         if recorded := self.recorded():
             lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
         for family, built in self.built.items():
@@ -258,7 +272,8 @@ def configure(config: pytest.Config, tier: Tier) -> None:
         configured = [parse_mesh(s) for s in meshes or options.DEFAULT_MESHES]
         topologies = options.value(config, "topology") or options.DEFAULT_TOPOLOGIES
         topology = [parse_mesh(s) for s in topologies]
-    except (contract.FamilyError, MeshSpecError) as err:
+        tpu = _tpu_targets(options.value(config, "tpu"))
+    except (contract.FamilyError, MeshSpecError, TopologyError) as err:
         raise pytest.UsageError(str(err)) from None
     if options.value(config, "family"):
         _refuse_unavailable(families)
@@ -268,9 +283,22 @@ def configure(config: pytest.Config, tier: Tier) -> None:
         goldens = _goldens(config, families)
     except GoldensError as err:
         raise pytest.UsageError(str(err)) from None
-    run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens)
+    run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens, tpu)
     config.stash[_SETTINGS] = run
     _register(config, run)
+
+
+def _tpu_targets(values: list[str]) -> tuple[TpuTarget, ...]:
+    """The TPU targets ``--tpu`` names (``default``: :data:`~options.DEFAULT_TPU`).
+
+    Each slice is described by libtpu here, before any test, so a missing libtpu or a
+    topology it does not know is a usage error, never a run of skips.
+    """
+    names = [n for v in values for n in (options.DEFAULT_TPU if v == "default" else [v])]
+    targets = tuple(dict.fromkeys(TpuTarget.parse(name) for name in names))
+    for target in targets:
+        slice_devices(target.topology.name)
+    return targets
 
 
 def _goldens(config: pytest.Config, families: list[Family]) -> Goldens:

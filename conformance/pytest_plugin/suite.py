@@ -155,11 +155,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def progress_label(item: pytest.Item) -> str:
-    """``family layout mesh check`` for a progress line, aligned in columns."""
+    """``family layout mesh check`` for a progress line, aligned in columns.
+
+    A TPU compile shows its slice (``v5p-4x4x4``) where the mesh would be.
+    """
     group = group_of(item)
     if group is None:
         return f"{check_name(item):<22}"
     family, scan, mesh = group
+    planned = planned_of(item)
+    if planned is not None and (compile_ := planned.values.get("tpu")) is not None:
+        mesh = compile_.target.topology.id
     return f"{family:<17} {'scan' if scan else 'loop'} {mesh:<20} {check_name(item):<22}"
 
 
@@ -199,6 +205,7 @@ def conformance_case(request: pytest.FixtureRequest) -> Bound:
     devices = _devices_or_skip(mesh) if check.devices and mesh is not None else None
     case = registry.case_of(check, planned.values, mesh, devices)
     params = {name: param.value for name, param in planned.params.items()}
+    params.update({axis: planned.values[axis] for axis in check.given})
     if check.saved_on:
         params["saved_on"] = case.on(run.primary, _devices_or_skip(run.primary))
     if check.workdir:
@@ -227,8 +234,18 @@ def golden(request: pytest.FixtureRequest, snapshot: Any) -> Golden:
     elsewhere = update and not distributed.is_leader()
     family, check = planned.family.name, planned.check.name
     written = request.config.stash.setdefault(WRITTEN, set())
+    compile_ = planned.values.get("tpu")
+    options = "" if compile_ is None else f"--tpu {compile_.target.spec} "
     return Golden(
-        snapshot, root, path, update, elsewhere, family=family, check=check, written=written
+        snapshot,
+        root,
+        path,
+        update,
+        elsewhere,
+        family=family,
+        check=check,
+        written=written,
+        options=options,
     )
 
 

@@ -6,8 +6,8 @@ never reports another tier's goldens as unused.
 
 * ``smoke``: the laptop pass. One multi-axis mesh (``data=2,fsdp=2,tensor=2``, where
   partitioning bugs show), the family's preferred layer layout, float32, one
-  quantization mode per method, the same-layout checkpoint conversion; every check at
-  least once per family.
+  quantization mode per method, the same-layout checkpoint conversion, TPU compiles at
+  the device size only; every check at least once per family.
 * ``default``: what CI gates on. Both default meshes (the multi-axis one first, then
   ``fsdp=8``), both layer layouts, float32 and bfloat16, one quantization mode per
   method, every checkpoint conversion.
@@ -52,6 +52,8 @@ class Tier:
     """Keep only checkpoint conversions between equal layer layouts."""
     expected_failures: bool
     """Keep tests marked as expected to fail."""
+    tpu_production: bool = True
+    """Keep the TPU compiles at production sizes (``--tpu ...@production``)."""
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -64,8 +66,9 @@ class Tier:
         """Why this tier leaves out the test of ``family`` with ``facets``; ``""`` if kept.
 
         ``facets`` describe a test by name: ``mesh`` (a device mesh), ``scan_layers``,
-        ``dtype`` (its id, ``f32`` or ``bf16``), ``quant`` and ``layouts`` (a checkpoint
-        conversion's ``source-target`` id); a test lacking one is not narrowed by it.
+        ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts`` (a checkpoint
+        conversion's ``source-target`` id) and ``tpu_production`` (a TPU compile at
+        production sizes); a test lacking one is not narrowed by it.
         """
         mesh = facets.get("mesh")
         if mesh is not None and self.meshes is not None and mesh.id not in self.meshes:
@@ -80,6 +83,8 @@ class Tier:
         quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"
+        if not self.tpu_production and facets.get("tpu_production"):
+            return "production-size TPU compiles"
         pair = facets.get("layouts")
         if self.same_layout_conversions and isinstance(pair, str):
             source, _, target = pair.partition("-")
@@ -110,6 +115,7 @@ TIERS: dict[str, Tier] = {
             one_mode_per_method=True,
             same_layout_conversions=True,
             expected_failures=False,
+            tpu_production=False,
         ),
         Tier(
             "default",

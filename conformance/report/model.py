@@ -352,6 +352,34 @@ def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
     return rows
 
 
+def memory_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """The TPU memory table: per family, case and program, each side's GiB per device.
+
+    Rows come from programs compiled for a TPU slice (``tpu_compile``), whose costs carry
+    each side's footprint per device and the chip's HBM; the last columns give NNX's
+    ratio to Linen and the larger side's share of the chip.
+    """
+    rows = [["family", "case", "program", "Linen GiB", "NNX GiB", "NNX / Linen", "% of HBM"]]
+    for t in suite_tests(report):
+        for cost in t.get("costs", []):
+            linen, nnx_ = cost["sides"].get("linen"), cost["sides"].get("nnx")
+            if linen is None or nnx_ is None or "footprint_bytes" not in linen:
+                continue
+            a, b, hbm = linen["footprint_bytes"], nnx_["footprint_bytes"], linen["hbm_bytes"]
+            rows.append(
+                [
+                    t["family"],
+                    t["case"] or "",
+                    cost["program"],
+                    f"{a / 2**30:.2f}",
+                    f"{b / 2**30:.2f}",
+                    f"{b / a:.3f}x" if a else "-",
+                    f"{max(a, b) / hbm:.0%}",
+                ]
+            )
+    return rows
+
+
 def upgrade_lines(report: Mapping[str, Any], limit: int = 12) -> list[str]:
     """The release-upgrade section as Markdown lines, empty when the report has none.
 

@@ -28,6 +28,7 @@ from conformance.report.model import (
     failures,
     headroom,
     matrix_rows,
+    memory_rows,
     merge,
     upgrade_lines,
     write_part,
@@ -122,6 +123,8 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         lines += ["", "## Headroom of agreeing comparisons", "", *table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
         lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
+    if len(memory := memory_rows(report)) > 1:
+        lines += ["", "## Memory per device, compiled for TPU", "", *table(memory)]
     if upgrade := upgrade_lines(report):
         lines += ["", "## Release upgrade", *upgrade]
     if spent := _time_rows(report):
@@ -191,6 +194,8 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
         parts += ["<h2>Headroom of agreeing comparisons</h2>", _html_table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
         parts += ["<h2>Compiled cost (NNX, and its ratio to Linen)</h2>", _html_table(costs)]
+    if len(memory := memory_rows(report)) > 1:
+        parts += ["<h2>Memory per device, compiled for TPU</h2>", _html_table(memory)]
     if upgrade := upgrade_lines(report):
         text = "\n".join(upgrade).strip()
         parts += ["<h2>Release upgrade</h2>", f"<pre>{html.escape(text)}</pre>"]

@@ -83,6 +83,15 @@ class Case:
         return self.family.with_mesh(self.config, self.devices)
 
     @property
+    def runs_here(self) -> bool:
+        """Whether this process can run programs on the case's devices.
+
+        Not on a TPU slice described by libtpu only to compile for
+        (:mod:`conformance.core.tpu`).
+        """
+        return self.devices is None or set(self.devices.devices.flat) <= set(jax.devices())
+
+    @property
     def layout(self) -> str:
         """``"scan"`` (layers stacked) or ``"loop"`` (one subtree per layer)."""
         return "scan" if self.scan_layers else "loop"

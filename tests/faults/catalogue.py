@@ -1,7 +1,7 @@
 """Planted faults: deliberate divergences, each injected into one side, by area.
 
 Each area module (:mod:`tests.faults.structure`, ``forward``, ``training``, ``state``,
-``decode``, ``quantization``, ``checkpoints``, ``recorded``, ``cost``) pairs its faults
+``decode``, ``quantization``, ``checkpoints``, ``recorded``, ``cost``, ``tpu``) pairs its faults
 with the check that must catch them and the words (leaf path first) the failure report
 must contain.
 """
@@ -17,6 +17,7 @@ from tests.faults import (
     recorded,
     state,
     structure,
+    tpu,
     training,
 )
 from tests.faults.fault import Fault
@@ -31,5 +32,6 @@ FAULTS: tuple[Fault, ...] = (
     *checkpoints.FAULTS,
     *recorded.FAULTS,
     *cost.FAULTS,
+    *tpu.FAULTS,
 )
 """Every planted fault, by area."""

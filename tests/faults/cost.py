@@ -30,11 +30,17 @@ class NnxDropsRemat(LlamaFamily):
 
 
 class NnxReplicatesKernel(LlamaFamily):
-    """NNX replicates block 0's MLP down projection, which Linen shards."""
+    """NNX replicates block 0's MLP down projection (every block's, scanned), which Linen
+    shards."""
 
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)
-        model.layers[0].mlp.down.kernel.set_metadata(out_sharding=(None, None))
+        if config.scan_layers:  # the layer axis stays first, as the scan needs
+            kernel = model.layers.mlp.down.kernel
+            layers = kernel.get_metadata()["out_sharding"][0]
+            kernel.set_metadata(out_sharding=(layers, None, None))
+        else:
+            model.layers[0].mlp.down.kernel.set_metadata(out_sharding=(None, None))
         return model
 
 
@@ -51,7 +57,8 @@ class _BlockWithTable(llama_nnx.Block):
         self.table = ReadOnlyTable(jnp.ones(shape, config.param_dtype))
 
     def __call__(self, x, *args, **kwargs):
-        return super().__call__(x * self.table[...][: x.shape[1]], *args, **kwargs)
+        table = self.table[...][: x.shape[1]].astype(x.dtype)
+        return super().__call__(x * table, *args, **kwargs)
 
 
 class _LlamaWithTable(llama_nnx.Llama):

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from flax import nnx
 
 from conformance.core.sharding import MeshSpec
+from conformance.core.tpu import TpuCompile
 from conformance.families import Family
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.llama.family import LlamaFamily
@@ -48,14 +49,20 @@ class Fault:
     params: Mapping[str, Any] = MappingProxyType({})
     """The check's own parameters (``backend``, ``source``, ``layouts``, ``variant``)."""
     quant: str | None = None
+    scan_layers: bool | None = None
+    """The layer layout the check runs in (default: a layer list, or what the check's
+    ``layouts`` parameter says)."""
     mesh_axes: tuple[str, ...] = ()
     """Mesh axes the fault needs at size 2 or more to show (a partitioning fault)."""
     scenario: Callable[..., None] | None = None
     """Run instead of the check: ``scenario(fault, workdir)`` (a fault in what a check is
     handed, such as another model's checkpoint, rather than in the family)."""
 
-    def run(self, workdir: Path, mesh: MeshSpec) -> None:
-        """Run the fault's check as the suite would, on ``mesh`` (or its scenario instead)."""
+    def run(self, workdir: Path, mesh: MeshSpec, tpu: TpuCompile | None = None) -> None:
+        """Run the fault's check as the suite would, on ``mesh`` (or its scenario instead).
+
+        A TPU compile's fault compiles for ``tpu``.
+        """
         if self.scenario is not None:
             self.scenario(self, workdir)
             return
@@ -67,7 +74,14 @@ class Fault:
             size=self.size,
             quant=self.quant,
             params=self.params,
+            scan_layers=self.scan_layers,
+            tpu=tpu,
         )
+
+    @property
+    def production(self) -> bool:
+        """Whether it is planted at a production size (a TPU compile's, on a large slice)."""
+        return self.size != self.family.device_size
 
     @property
     def id(self) -> str:
@@ -79,7 +93,8 @@ class Fault:
             owner, name, replacement = self.model_patch
             where = owner.__name__.rsplit(".", 1)[-1]
             return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}"
-        return f"{self.check}:{type(self.family).__name__}"
+        scale = f"@{self.size}" if self.production else ""
+        return f"{self.check}:{type(self.family).__name__}{scale}"
 
 
 class NnxConfigFault:

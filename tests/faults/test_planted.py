@@ -10,21 +10,40 @@ import pytest
 from conformance.checks import registry
 from conformance.core.failure import CheckFailure
 from conformance.core.seams import planted
+from conformance.core.tpu import TpuCompile
+from conformance.pytest_plugin.session import settings
 from tests.faults.catalogue import FAULTS
 from tests.suite_run import facets
 
 
+def _tpu_compile(fault, request) -> TpuCompile | None:
+    """The TPU compile a ``tpu_compile`` fault runs: the run's first ``--tpu`` target of
+    its scale (skips, saying so, without one); ``None`` for any other check's fault."""
+    if registry.get(fault.check).where != "tpu":
+        return None
+    targets = [t for t in settings(request.config).tpu if t.production == fault.production]
+    if not targets:
+        scale = "@production " if fault.production else ""
+        pytest.skip(f"not run: no --conformance-tpu {scale}target (make test-tpu gives them)")
+    return TpuCompile(targets[0], fault.size, bool(fault.scan_layers))
+
+
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.id)
-def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh):
+def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh, request):
     mesh, _ = primary_mesh
-    if reason := tier.leaves_out(fault.family, facets(mesh, fault.quant, fault.params)):
+    production = fault.production and registry.get(fault.check).where == "tpu"
+    found = facets(mesh, fault.quant, fault.params, tpu_production=production)
+    if reason := tier.leaves_out(fault.family, found):
         pytest.skip(f"not run: tier {tier.name} leaves out {fault.check} with {reason}")
+    tpu = _tpu_compile(fault, request)
+    if tpu is not None:
+        mesh = tpu.target.mesh
     if short := [a for a in fault.mesh_axes if mesh.sizes().get(a, 1) < 2]:
         pytest.skip(f"not run: the fault shows only with mesh axes {short} of size 2 or more")
     if fault.model_patch is not None:
         monkeypatch.setattr(*fault.model_patch)
     with planted(**fault.seams), pytest.raises(CheckFailure) as caught:
-        fault.run(tmp_path, mesh)
+        fault.run(tmp_path, mesh, tpu)
     report = str(caught.value)
     assert report.startswith(f"{fault.family.name} {fault.check}:"), report
     for expected in fault.expect:

@@ -1,0 +1,150 @@
+"""Compiled-program parity for a TPU slice, on a host without a TPU: cost, and fit.
+
+Each side's forward, train step (as production trains: rematerialised, for a family
+with remat, at production sizes) and one decode call are lowered with abstract
+arguments on a mesh of the slice's devices (:mod:`conformance.runtime.aot`) and
+compiled by libtpu with XLA's default optimisations. Nothing is allocated or run. The
+programs are held to the ``cost`` check's budget
+(:func:`~conformance.core.cost.over_budget`), and each must fit the chip: arguments,
+outputs, temporaries and generated code within its HBM
+(:data:`~conformance.core.tpu.HBM_GIB`). The failures that only exist at real size on
+the real compiler show here: a read-only parameter stacked per layer, a step that lost
+remat, a kernel sharded on another mesh axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from conformance.core.cost import Cost, cost_of, over_budget
+from conformance.core.failure import fail_if_any
+from conformance.core.records import Costs, emit
+from conformance.core.tpu import TpuCompile, libtpu_version
+from conformance.runtime.aot import (
+    abstract_batch,
+    batch_rows,
+    compile_for_production,
+    lowered_decode_step,
+    lowered_forward,
+    lowered_train_step,
+)
+from conformance.runtime.case import Case
+from conformance.runtime.sides import Side, live_pair
+
+GIB = 2**30
+
+
+class DoesNotFit(Exception):
+    """libtpu refused to compile a program: it needs more memory than the chip has."""
+
+
+def _compiled(lowered: jax.stages.Lowered) -> Any:
+    try:
+        return compile_for_production(lowered)
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" in str(err):
+            raise DoesNotFit(str(err).splitlines()[0]) from None
+        raise
+
+
+def _footprint(compiled: Any) -> int:
+    """Bytes a compiled program needs per device: arguments, outputs, temporaries, code."""
+    memory = compiled.memory_analysis()
+    return sum(
+        int(getattr(memory, field, 0))
+        for field in (
+            "argument_size_in_bytes",
+            "output_size_in_bytes",
+            "temp_size_in_bytes",
+            "generated_code_size_in_bytes",
+        )
+    )
+
+
+def _programs(case: Case) -> dict[str, list[tuple[Side, jax.stages.Lowered]]]:
+    """``{program: [(side, lowered), ...]}``: each side's programs, Linen first.
+
+    The forward, the train step(s) and, for a family that decodes, one decode call (a
+    token per row against a cache of the family's length). At the device size both
+    train steps, plain and (with remat) rematerialised, as the ``cost`` check compiles
+    them; at a production size only the step production runs: rematerialised when the
+    family has remat.
+    """
+    remat = case.family.capabilities.remat
+    variants: dict[str, Case] = {}
+    if case.size == case.family.device_size or not remat:
+        variants["train_step"] = case
+    if remat:
+        variants["train_step (remat)"] = case.with_config(
+            case.family.variant(case.config, remat=True)
+        )
+    rows = batch_rows(case)
+    batch = abstract_batch(case, rows)
+    found = {"forward": [(side, lowered_forward(side, batch)) for side in live_pair(case)]}
+    for name, variant in variants.items():
+        found[name] = [(side, lowered_train_step(side, batch)) for side in live_pair(variant)]
+    if case.family.capabilities.decode:
+        found["decode_step"] = [(side, lowered_decode_step(side, rows)) for side in live_pair(case)]
+    return found
+
+
+def _not_fitting(side: Side, program: str, tpu: TpuCompile, footprint: int) -> str:
+    topology = tpu.target.topology
+    hbm = topology.hbm_bytes
+    return (
+        f"{side.name} {program} does not fit a {topology.generation} chip: "
+        f"{footprint / GIB:.2f} GiB per device, {(footprint - hbm) / GIB:.2f} GiB over its "
+        f"{hbm / GIB:.0f} GiB of HBM ({footprint / hbm:.0%})"
+    )
+
+
+def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
+    """Linen's and NNX's programs compiled for ``tpu``'s slice cost alike, and both fit.
+
+    Per program (forward, train step): NNX within the ``cost`` check's budget of
+    Linen's (flops, bytes accessed, argument, output and temporary memory, collectives
+    by kind), and each side's footprint per device (arguments, outputs, temporaries and
+    generated code) within the chip's HBM; a program libtpu refuses for want of memory
+    fails naming the side, the program and the compiler's figure. Returned as the
+    golden, kept per topology, libtpu version and XLA level: every program's costs and
+    footprint.
+    """
+    topology = tpu.target.topology
+    programs: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for name, sides in _programs(case).items():
+        costs: list[Cost] = []
+        tables: dict[str, dict[str, Any]] = {}
+        for side, lowered in sides:
+            try:
+                compiled = _compiled(lowered)
+            except DoesNotFit as err:
+                chip = topology.generation
+                problems.append(f"{side.name} {name} does not fit a {chip} chip: {err}")
+                continue
+            costs.append(cost := cost_of(compiled))
+            footprint = _footprint(compiled)
+            tables[side.backend] = {
+                **cost.table(),
+                "footprint_bytes": footprint,
+                "hbm_bytes": topology.hbm_bytes,
+            }
+            if footprint > topology.hbm_bytes:
+                problems.append(_not_fitting(side, name, tpu, footprint))
+        programs[name] = tables
+        if len(costs) == len(sides) == 2:
+            emit(Costs(f"{name} on {topology.name}", tables))
+            problems += over_budget(name, *costs, scanned=case.scan_layers)
+    fail_if_any(
+        f"compiled for TPU {topology.name} (mesh {tpu.target.mesh.id}, size {case.size})",
+        problems,
+    )
+    return {
+        "topology": topology.name,
+        "mesh": tpu.target.mesh.id,
+        "size": case.size,
+        "libtpu": libtpu_version(),
+        "programs": programs,
+    }

@@ -1,0 +1,109 @@
+"""Programs lowered ahead of time for a mesh this host need not run on: nothing allocated.
+
+A side's forward and train step are lowered with abstract arguments
+(``jax.ShapeDtypeStruct`` with the shardings the case resolves on its mesh), so the
+mesh may be one of a TPU slice described by libtpu (:mod:`conformance.core.tpu`), at
+production size. :func:`compile_for_production` compiles them with XLA's defaults, as
+production code compiles, whatever the run's XLA level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from conformance.contract import Batch
+from conformance.core.sharding import resolve_spec
+from conformance.runtime.case import BATCH_SIZE, Case
+from conformance.runtime.decoding import step_batch
+from conformance.runtime.sides import Side
+
+
+def batch_rows(case: Case) -> int:
+    """Rows of an abstract batch on ``case``'s mesh.
+
+    :data:`BATCH_SIZE`, or one row per batch shard when the mesh splits the batch into
+    more shards than that (a large TPU slice).
+    """
+    spec = resolve_spec((case.family.batch_axis, None), case.family.logical_axis_rules(), case.mesh)
+    axes = spec[0] if spec else None
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    sizes = case.mesh.sizes() if case.mesh is not None else {}
+    shards = math.prod(sizes[name] for name in names)
+    return max(BATCH_SIZE, shards)
+
+
+def abstract_batch(case: Case, rows: int) -> Batch:
+    """The family's batch of ``rows`` as ``jax.ShapeDtypeStruct`` leaves, batch-sharded."""
+    return _abstract(case, case.family.batch(case.bound, rows))
+
+
+def _abstract(case: Case, batch: Batch) -> Batch:
+    """``batch``'s shapes and dtypes, its batch dimension sharded as :meth:`Case.place` does."""
+    names = (case.family.batch_axis, None)
+    spec = resolve_spec(names, case.family.logical_axis_rules(), case.mesh)
+    sharding = NamedSharding(case.devices, spec)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
+
+
+def _abstract_params(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
+    shardings = side.shardings()
+    return {
+        path: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[path])
+        for path, spec in side.runner.specs.items()
+    }
+
+
+def lowered_forward(side: Side, batch: Batch) -> jax.stages.Lowered:
+    """``side``'s forward of ``batch`` from abstract parameters, lowered on its mesh."""
+    return side.runner.lowered_forward(_abstract_params(side), batch)
+
+
+def lowered_train_step(side: Side, batch: Batch) -> jax.stages.Lowered:
+    """``side``'s train step of ``batch`` from an abstract train state, lowered on its mesh."""
+    trainer = side.trainer()
+    shardings = side.case.shardings(trainer.logical)
+    return trainer.step_fn(trainer.tree(shardings)).lower(trainer.abstract(shardings), batch)
+
+
+def lowered_decode_step(side: Side, rows: int) -> jax.stages.Lowered:
+    """One decode call of ``side`` (a token per row against an abstract KV cache), lowered.
+
+    Parameters, cache and the token batch are abstract, sharded on the side's mesh.
+    """
+    case = side.case
+    decoder = side.decoder(rows)
+    shardings = case.shardings(decoder.logical)
+    cache = {
+        path: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[path])
+        for path, spec in decoder.specs.items()
+    }
+    at = np.zeros((rows, 1), np.int32)
+    batch = _abstract(case, step_batch(at, at))
+    return decoder.lowered("decode", _abstract_params(side), cache, batch, shardings)
+
+
+@contextlib.contextmanager
+def _full_optimisation() -> Iterator[None]:
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def compile_for_production(lowered: jax.stages.Lowered) -> Any:
+    """``lowered`` compiled with XLA's default optimisations (a ``jax.stages.Compiled``).
+
+    The run's XLA level (``--xla-opt low``) is restored after; what a program needs in
+    memory depends on the passes, so a fit is judged as production compiles.
+    """
+    with _full_optimisation():
+        return lowered.compile()

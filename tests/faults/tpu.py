@@ -1,0 +1,60 @@
+"""Faults only a TPU compile at production size sees plainly, each with numbers equal to Linen's.
+
+The same faulty families as the ``cost`` check's (:mod:`tests.faults.cost`), compiled
+by libtpu for a TPU slice: at the device size on a small slice, and at llama's ``8b``
+on a production slice, scanned as production trains, where a lost remat no longer fits
+the chip and a per-layer copy of a read-only table costs gigabytes. At the device size
+libtpu's own scheduling keeps a step without remat within Linen's memory: dropping
+remat shows as the all-reduces Linen's recomputed forward runs and NNX's does not.
+"""
+
+from __future__ import annotations
+
+from tests.faults.cost import NnxDropsRemat, NnxReplicatesKernel, NnxScanStacksReadOnlyTable
+from tests.faults.fault import Fault
+
+_COMPILED = "compiled for TPU"
+
+FAULTS = (
+    Fault(
+        NnxDropsRemat(),
+        "tpu_compile",
+        (_COMPILED, "train_step (remat): all-reduce Linen"),
+        scan_layers=True,
+    ),
+    Fault(
+        NnxReplicatesKernel(),
+        "tpu_compile",
+        (_COMPILED, "train_step: all-"),
+        mesh_axes=("fsdp",),
+        scan_layers=True,
+    ),
+    Fault(
+        NnxScanStacksReadOnlyTable(),
+        "tpu_compile",
+        (_COMPILED, "forward: argument_bytes NNX"),
+        scan_layers=True,
+    ),
+    Fault(
+        NnxDropsRemat(),
+        "tpu_compile",
+        (_COMPILED, "NNX train_step (remat) does not fit a v5p chip"),
+        size="8b",
+        scan_layers=True,
+    ),
+    Fault(
+        NnxReplicatesKernel(),
+        "tpu_compile",
+        (_COMPILED, "train_step (remat): all-"),
+        size="8b",
+        scan_layers=True,
+    ),
+    Fault(
+        NnxScanStacksReadOnlyTable(),
+        "tpu_compile",
+        (_COMPILED, "forward: argument_bytes NNX"),
+        size="8b",
+        scan_layers=True,
+    ),
+)
+"""Faults of the ``tpu_compile`` check, at the device size and at production size."""

@@ -1,0 +1,70 @@
+"""TPU targets as values, what a family compiles for them, and their usage errors.
+
+None of these needs libtpu: the compiles themselves run in ``make test-tpu``.
+"""
+
+import pytest
+
+from conformance.core import tpu
+from conformance.core.tpu import Topology, TopologyError, TpuTarget, compiles, default_mesh
+from conformance.pytest_plugin.session import _tpu_targets
+
+
+@pytest.mark.parametrize(
+    ("text", "chips", "hbm_gib"),
+    [("v5p:4x4x4", 64, 95), ("v6e:2x4", 8, 32), ("v5e:2x2", 4, 16), ("v4:2x2x2", 8, 32)],
+)
+def test_topologies_parse_with_their_chips_and_memory(text, chips, hbm_gib):
+    topology = Topology.parse(text)
+    assert (topology.name, topology.chips, topology.hbm_bytes) == (text, chips, hbm_gib * 2**30)
+    assert ":" not in topology.id
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("v5p", "not of the form 'GEN:AxB[xC]'"),
+        ("v5p:4", "not of the form"),
+        ("tpu:2x2", "not of the form"),
+        ("v9z:2x2", "unknown generation 'v9z' (known: v4, v5e, v5p, v6e)"),
+        ("v6e:2x4@prod", "'@prod' is not '@production'"),
+        ("v5e:2x2=fsdp=8", "mesh fsdp8 needs 8 chips; v5e:2x2 has 4"),
+        ("v5e:2x2=fsdp:4", "malformed mesh spec"),
+    ],
+)
+def test_malformed_targets_are_one_line_errors(text, words):
+    with pytest.raises(TopologyError) as raised:
+        TpuTarget.parse(text)
+    assert words in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_target_reads_back_from_its_spec():
+    for text in ("v6e:2x4", "v5p:4x4x4@production", "v5e:2x2=fsdp=4"):
+        target = TpuTarget.parse(text)
+        assert TpuTarget.parse(target.spec) == target
+
+
+def test_default_meshes_use_every_chip():
+    assert default_mesh(8).id == "data2-fsdp2-tensor2"
+    assert default_mesh(4).id == "fsdp2-tensor2"
+    assert default_mesh(64).id == "data2-fsdp16-tensor2"
+    assert all(default_mesh(n).size == n for n in (1, 2, 4, 8, 16, 64, 256))
+
+
+def test_production_sizes_compile_scanned_and_the_device_size_in_every_layout():
+    small, large = TpuTarget.parse("v6e:2x4"), TpuTarget.parse("v5p:4x4x4@production")
+    found = compiles((small, large), ("tiny", "8b"), (False, True))
+    assert [c.id for c in found] == [
+        "tiny-v6e-2x4-data2-fsdp2-tensor2-loop",
+        "tiny-v6e-2x4-data2-fsdp2-tensor2-scan",
+        "8b-v5p-4x4x4-data2-fsdp16-tensor2-scan",
+    ]
+    assert [c.id for c in compiles((large,), ("tiny",), (False,))] == []
+
+
+def test_without_libtpu_a_target_is_a_usage_error_naming_the_setup(monkeypatch):
+    monkeypatch.setattr(tpu, "libtpu_version", lambda: None)
+    tpu.slice_devices.cache_clear()
+    with pytest.raises(TopologyError, match="make setup-tpu"):
+        _tpu_targets(["default"])
