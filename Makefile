@@ -155,9 +155,18 @@ goldens-maxtext: $(MAXTEXT_STAMP)
 WHEEL_VENV := .venv-wheel
 WHEEL_CHECKS ?= structure or sharding or recorded
 
+## The wheel is built from a copy of the tree: building in place rewrites the
+## *.egg-info beside the sources, which every `python -m conformance` started in this
+## directory reads its entry points from (a run beside it found no family).
+WHEEL_SOURCE_IGNORE := ".git", ".venv*", "build", "dist", "reports", "*.egg-info", "__pycache__"
+
 test-wheel: $(STAMP)
-	rm -rf build dist $(WHEEL_VENV)
-	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist .
+	rm -rf dist $(WHEEL_VENV)
+	@source="$$(mktemp -d)"; status=0; \
+	  $(BIN)/python -c 'import shutil, sys; shutil.copytree(".", sys.argv[1], dirs_exist_ok=True, \
+	  ignore=shutil.ignore_patterns($(WHEEL_SOURCE_IGNORE)))' "$$source" && \
+	  $(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir "$(abspath dist)" "$$source" \
+	  || status=$$?; rm -rf "$$source"; exit $$status
 	$(PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints.txt dist/*.whl
 	@empty="$$(mktemp -d)"; status=0; cd "$$empty" && \
