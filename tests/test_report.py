@@ -248,12 +248,16 @@ def test_a_failing_train_step_measures_every_step(primary_mesh):
     assert {m.x for m in failing} >= {"loss"}, "the loss moves when the rotary base does"
 
 
+def _costed(check: str, case: str, program: str, linen: dict, nnx_: dict) -> dict:
+    """A report of one passed test of ``check`` whose program cost ``linen`` and ``nnx_``."""
+    record = RecordedTest(f"t::test_{check}[fam-{case}]", "fam", check, case)
+    record.costs = [costs_json(Costs(program, {"linen": linen, "nnx": nnx_}))]
+    return {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
+
+
 def test_the_cost_table_shows_nnx_against_linen():
     linen = Cost(100.0, 1000.0, 400, 40, 200, 0, {"all-gather": (2, 64)}).table()
-    nnx_ = {**linen, "temp_bytes": 230}
-    record = RecordedTest("t::test_cost[fam-loop]", "fam", "cost", "loop")
-    record.costs = [costs_json(Costs("train_step", {"linen": linen, "nnx": nnx_}))]
-    report = {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
+    report = _costed("cost", "loop", "train_step", linen, {**linen, "temp_bytes": 230})
     markdown = render.markdown(report)
     assert "## Compiled cost (NNX, and its ratio to Linen)" in markdown
     assert "| fam | loop | train_step | 100 (1.000x) | 1,000 (1.000x) | 400 (1.000x) | " in markdown
@@ -264,9 +268,7 @@ def test_the_tpu_memory_table_shows_each_side_per_device_against_the_chip():
     base = Cost(100.0, 1000.0, 400, 40, 200, 0, {}).table()
     linen = {**base, "footprint_bytes": 8 * 2**30, "hbm_bytes": 16 * 2**30}
     nnx_ = {**linen, "footprint_bytes": 12 * 2**30}
-    record = RecordedTest("t::test_tpu_compile[fam-8b-v5e]", "fam", "tpu_compile", "8b-v5e")
-    record.costs = [costs_json(Costs("forward on v5e:4x4", {"linen": linen, "nnx": nnx_}))]
-    report = {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
+    report = _costed("tpu_compile", "8b-v5e", "forward on v5e:4x4", linen, nnx_)
     markdown = render.markdown(report)
     assert "## Memory per device, compiled for TPU" in markdown
     assert "| fam | 8b-v5e | forward on v5e:4x4 | 8.00 | 12.00 | 1.500x | 75% |" in markdown
