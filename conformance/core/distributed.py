@@ -55,7 +55,8 @@ def initialize(cluster: Cluster) -> None:
     A process other than 0 first waits for the coordinator's port to accept connections
     and raises :class:`DistributedError` naming itself and the address if it does not
     within ``timeout_s``: JAX itself aborts the process (SIGABRT) on that timeout.
-    CPU devices exchange data through gloo.
+    CPU devices exchange data through gloo, and compile with the persistent compilation
+    cache off.
     """
     if cluster.coordinator is not None:
         if cluster.num_processes is None or cluster.process_id is None:
@@ -81,6 +82,12 @@ def initialize(cluster: Cluster) -> None:
         )
     except (RuntimeError, ValueError) as err:  # e.g. no cluster JAX can detect
         raise DistributedError(f"{cluster.describe()} cannot join the run: {err}") from None
+    if jax.devices()[0].platform == "cpu":
+        # Executables read back from the persistent cache desynchronise gloo's contexts
+        # between the processes (jaxlib 0.12.0.1: "Gloo context initialization failed:
+        # GetKeyValue() timed out", "Gloo AllGather failed: Connection reset by peer"),
+        # so CPU processes of one run compile afresh, whatever the environment asks.
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 def wait_for_port(address: str, timeout_s: float, who: str) -> None:
