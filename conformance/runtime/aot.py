@@ -16,10 +16,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from conformance.contract import Batch
-from conformance.core.sharding import resolve_spec
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.decoding import step_batch
 from conformance.runtime.sides import Side
@@ -31,7 +29,7 @@ def batch_rows(case: Case) -> int:
     :data:`BATCH_SIZE`, or one row per batch shard when the mesh splits the batch into
     more shards than that (a large TPU slice).
     """
-    spec = resolve_spec((case.family.batch_axis, None), case.family.logical_axis_rules(), case.mesh)
+    spec = case.batch_spec()
     axes = spec[0] if spec else None
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     sizes = case.mesh.sizes() if case.mesh is not None else {}
@@ -46,9 +44,7 @@ def abstract_batch(case: Case, rows: int) -> Batch:
 
 def _abstract(case: Case, batch: Batch) -> Batch:
     """``batch``'s shapes and dtypes, its batch dimension sharded as :meth:`Case.place` does."""
-    names = (case.family.batch_axis, None)
-    spec = resolve_spec(names, case.family.logical_axis_rules(), case.mesh)
-    sharding = NamedSharding(case.devices, spec)
+    sharding = case.batch_sharding()
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
 
 

@@ -152,13 +152,20 @@ class Case:
         specs = self.specs(logical, self.family.logical_axis_rules())
         return {path: NamedSharding(self.devices, spec) for path, spec in specs.items()}
 
-    def place(self, batch: Batch) -> Batch:
-        """``batch`` with its batch dimension sharded by the family's batch-axis rule."""
+    def batch_spec(self) -> PartitionSpec:
+        """The batch's ``PartitionSpec``: its first dimension by the family's batch rule."""
+        names = (self.family.batch_axis, None)
+        return resolve_spec(names, self.family.logical_axis_rules(), self._mesh())
+
+    def batch_sharding(self) -> NamedSharding:
+        """The batch's sharding on the devices (:meth:`batch_spec`)."""
         if self.devices is None:
             raise ValueError(f"{self.family.name}: this case's mesh has no devices")
-        names = (self.family.batch_axis, None)
-        spec = resolve_spec(names, self.family.logical_axis_rules(), self._mesh())
-        sharding = NamedSharding(self.devices, spec)
+        return NamedSharding(self.devices, self.batch_spec())
+
+    def place(self, batch: Batch) -> Batch:
+        """``batch`` with its batch dimension sharded by the family's batch-axis rule."""
+        sharding = self.batch_sharding()
         return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
 
     def batch(self, rows: int = BATCH_SIZE) -> Batch:
