@@ -1,13 +1,25 @@
 """TPU targets as values, what a family compiles for them, and their usage errors.
 
-None of these needs libtpu: the compiles themselves run in ``make test-tpu``.
+None of these needs libtpu: the compiles for TPU slices run in ``make test-tpu``; the
+placed shardings are read here from programs compiled for the CPU mesh.
 """
 
 import pytest
 
+from conformance import families
 from conformance.core import tpu
+from conformance.core.sharding import parse_mesh
 from conformance.core.tpu import Topology, TopologyError, TpuTarget, compiles, default_mesh
 from conformance.pytest_plugin.session import _tpu_targets
+from conformance.runtime.aot import (
+    abstract_batch,
+    batch_rows,
+    lowered_forward,
+    lowered_train_step,
+    placements,
+)
+from conformance.runtime.case import Case
+from conformance.runtime.sides import live_pair
 
 
 @pytest.mark.parametrize(
@@ -68,3 +80,19 @@ def test_without_libtpu_a_target_is_a_usage_error_naming_the_setup(monkeypatch):
     tpu.slice_devices.cache_clear()
     with pytest.raises(TopologyError, match="make setup-tpu"):
         _tpu_targets(["default"])
+
+
+def test_placed_outputs_are_keyed_by_canonical_paths_and_agree_on_a_cpu_mesh():
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    case = Case.of(families.get("llama"), "tiny", mesh=mesh, devices=mesh.devices())
+    batch = abstract_batch(case, batch_rows(case))
+    found = []
+    for side in live_pair(case):
+        for program in (lowered_forward(side, batch), lowered_train_step(side, batch)):
+            found.append(placements(side, program, program.lowered.compile()))
+    linen_forward, linen_step, nnx_forward, nnx_step = found
+    assert set(linen_forward) == {"logits", "hidden"}
+    assert linen_forward == nnx_forward
+    assert linen_step == nnx_step
+    assert linen_step["metrics/loss"] == []
+    assert "metrics/grads/layers/0/mlp/down/kernel" in linen_step

@@ -7,9 +7,11 @@ compiled by libtpu with XLA's default optimisations. Nothing is allocated or run
 programs are held to the ``cost`` check's budget
 (:func:`~conformance.core.cost.over_budget`), and each must fit the chip: arguments,
 outputs, temporaries and generated code within its HBM
-(:data:`~conformance.core.tpu.HBM_GIB`). The failures that only exist at real size on
-the real compiler show here: a read-only parameter stacked per layer, a step that lost
-remat, a kernel sharded on another mesh axis.
+(:data:`~conformance.core.tpu.HBM_GIB`). The outputs the compiler places (the forward's
+logits and hidden states, the step's gradients and loss, the decode call's logits) must
+come out sharded alike on both sides, leaf by leaf. The failures that only exist at real
+size on the real compiler show here: a read-only parameter stacked per layer, a step
+that lost remat, a kernel sharded on another mesh axis.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
 from conformance.core.tpu import TpuCompile, libtpu_version
 from conformance.runtime.aot import (
+    Program,
     abstract_batch,
     batch_rows,
     compile_for_production,
     lowered_decode_step,
     lowered_forward,
     lowered_train_step,
+    placements,
 )
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Side, live_pair
@@ -63,7 +67,7 @@ def _footprint(compiled: Any) -> int:
     )
 
 
-def _programs(case: Case) -> dict[str, list[tuple[Side, jax.stages.Lowered]]]:
+def _programs(case: Case) -> dict[str, list[tuple[Side, Program]]]:
     """``{program: [(side, lowered), ...]}``: each side's programs, Linen first.
 
     The forward, the train step(s) and, for a family that decodes, one decode call (a
@@ -90,6 +94,19 @@ def _programs(case: Case) -> dict[str, list[tuple[Side, jax.stages.Lowered]]]:
     return found
 
 
+def _placed_apart(program: str, placed: dict[Side, dict[str, Any]]) -> list[str]:
+    """Each placed output leaf the compiler shards differently on the two sides."""
+    (first, ours), (second, theirs) = placed.items()
+    missing = "(no such output)"
+    return [
+        f"{program}: {path} placed by the compiler as {first.name} {ours.get(path, missing)} "
+        f"but {second.name} {theirs.get(path, missing)} (a parameter or activation sharded "
+        "differently: a layout the next program pays for in collectives)"
+        for path in sorted(ours.keys() | theirs.keys())
+        if ours.get(path) != theirs.get(path)
+    ]
+
+
 def _not_fitting(side: Side, program: str, tpu: TpuCompile, footprint: int) -> str:
     topology = tpu.target.topology
     hbm = topology.hbm_bytes
@@ -103,13 +120,14 @@ def _not_fitting(side: Side, program: str, tpu: TpuCompile, footprint: int) -> s
 def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     """Linen's and NNX's programs compiled for ``tpu``'s slice cost alike, and both fit.
 
-    Per program (forward, train step): NNX within the ``cost`` check's budget of
-    Linen's (flops, bytes accessed, argument, output and temporary memory, collectives
-    by kind), and each side's footprint per device (arguments, outputs, temporaries and
-    generated code) within the chip's HBM; a program libtpu refuses for want of memory
-    fails naming the side, the program and the compiler's figure. Returned as the
-    golden, kept per topology, libtpu version and XLA level: every program's costs and
-    footprint.
+    Per program (forward, train step, decode call): NNX within the ``cost`` check's
+    budget of Linen's (flops, bytes accessed, argument, output and temporary memory,
+    collectives by kind); the outputs the compiler places sharded alike, leaf by leaf;
+    and each side's footprint per device (arguments, outputs, temporaries and generated
+    code) within the chip's HBM. A program libtpu refuses for want of memory fails
+    naming the side, the program and the compiler's figure. Returned as the golden,
+    kept per topology, libtpu version and XLA level: every program's costs, footprint
+    and placed shardings.
     """
     topology = tpu.target.topology
     programs: dict[str, dict[str, Any]] = {}
@@ -117,9 +135,10 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     for name, sides in _programs(case).items():
         costs: list[Cost] = []
         tables: dict[str, dict[str, Any]] = {}
-        for side, lowered in sides:
+        placed: dict[Side, dict[str, Any]] = {}
+        for side, program in sides:
             try:
-                compiled = _compiled(lowered)
+                compiled = _compiled(program.lowered)
             except DoesNotFit as err:
                 chip = topology.generation
                 problems.append(f"{side.name} {name} does not fit a {chip} chip: {err}")
@@ -131,12 +150,17 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
                 "footprint_bytes": footprint,
                 "hbm_bytes": topology.hbm_bytes,
             }
+            placed[side] = placements(side, program, compiled)
             if footprint > topology.hbm_bytes:
                 problems.append(_not_fitting(side, name, tpu, footprint))
-        programs[name] = tables
+        programs[name] = {
+            side.backend: tables[side.backend] | {"placed": {p: {"spec": s} for p, s in by.items()}}
+            for side, by in placed.items()
+        }
         if len(costs) == len(sides) == 2:
             emit(Costs(f"{name} on {topology.name}", tables))
             problems += over_budget(name, *costs, scanned=case.scan_layers)
+            problems += _placed_apart(name, placed)
     fail_if_any(
         f"compiled for TPU {topology.name} (mesh {tpu.target.mesh.id}, size {case.size})",
         problems,

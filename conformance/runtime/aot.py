@@ -5,19 +5,31 @@ A side's forward and train step are lowered with abstract arguments
 mesh may be one of a TPU slice described by libtpu (:mod:`conformance.core.tpu`), at
 production size. :func:`compile_for_production` compiles them with XLA's defaults, as
 production code compiles, whatever the run's XLA level.
+
+Each comes as a :class:`Program`, which names the outputs the harness leaves for the
+compiler to place (the forward's, the step's metrics and gradients, the decode call's
+logits): :func:`placements` reads the shardings the compiler chose for them, per leaf,
+in canonical paths. Everything else (parameters, the train state, the KV cache, the
+batch) goes in and comes out with the shardings the case resolves from the logical
+names, which the ``sharding``, ``optimizer_sharding`` and ``decode_cache`` checks compare.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
 
 from conformance.contract import Batch
+from conformance.core.sharding import spec_to_json
+from conformance.core.trees import flatten
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.decoding import step_batch
 from conformance.runtime.sides import Side
@@ -56,22 +68,41 @@ def _abstract_params(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
-def lowered_forward(side: Side, batch: Batch) -> jax.stages.Lowered:
-    """``side``'s forward of ``batch`` from abstract parameters, lowered on its mesh."""
-    return side.runner.lowered_forward(_abstract_params(side), batch)
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One side's program, lowered on its mesh, and the outputs the compiler places."""
+
+    lowered: jax.stages.Lowered
+    placed: Mapping[int, str]
+    """``{output position: name}`` of the outputs jit is given no sharding for."""
 
 
-def lowered_train_step(side: Side, batch: Batch) -> jax.stages.Lowered:
-    """``side``'s train step of ``batch`` from an abstract train state, lowered on its mesh."""
+def lowered_forward(side: Side, batch: Batch) -> Program:
+    """``side``'s forward of ``batch`` from abstract parameters, lowered on its mesh.
+
+    The compiler places both outputs: the logits and the sown hidden states.
+    """
+    lowered = side.runner.lowered_forward(_abstract_params(side), batch)
+    return Program(lowered, {0: "logits", 1: "hidden"})
+
+
+def lowered_train_step(side: Side, batch: Batch) -> Program:
+    """``side``'s train step of ``batch`` from an abstract train state, lowered on its mesh.
+
+    The new state keeps the state's shardings; the compiler places the metrics (the
+    loss and the gradients).
+    """
     trainer = side.trainer()
     shardings = side.case.shardings(trainer.logical)
-    return trainer.step_fn(trainer.tree(shardings)).lower(trainer.abstract(shardings), batch)
+    step = trainer.step_fn(trainer.tree(shardings))
+    return Program(step.lower(trainer.abstract(shardings), batch), {1: "metrics"})
 
 
-def lowered_decode_step(side: Side, rows: int) -> jax.stages.Lowered:
+def lowered_decode_step(side: Side, rows: int) -> Program:
     """One decode call of ``side`` (a token per row against an abstract KV cache), lowered.
 
-    Parameters, cache and the token batch are abstract, sharded on the side's mesh.
+    Parameters, cache and the token batch are abstract, sharded on the side's mesh. The
+    new cache keeps the cache's shardings; the compiler places the logits.
     """
     case = side.case
     decoder = side.decoder(rows)
@@ -82,7 +113,35 @@ def lowered_decode_step(side: Side, rows: int) -> jax.stages.Lowered:
     }
     at = np.zeros((rows, 1), np.int32)
     batch = _abstract(case, step_batch(at, at))
-    return decoder.lowered("decode", _abstract_params(side), cache, batch, shardings)
+    lowered = decoder.lowered("decode", _abstract_params(side), cache, batch, shardings)
+    return Program(lowered, {0: "logits"})
+
+
+def _unboxed(leaf: Any) -> Any:
+    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def placements(side: Side, program: Program, compiled: Any) -> dict[str, Any]:
+    """The sharding the compiler chose for each leaf of ``program``'s placed outputs.
+
+    ``{"<output>/<canonical path>": spec}``: a ``NamedSharding``'s spec as a list with
+    an entry per dimension (``None``, a mesh axis, or axes), any other sharding as its
+    text. The same on both sides when they place their outputs alike.
+    """
+    outputs = compiled.out_info
+    found: dict[str, Any] = {}
+    for position, name in program.placed.items():
+        tree = outputs[position]
+        leaves = flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        for path, leaf in side.canonical({p: _unboxed(v) for p, v in leaves.items()}).items():
+            sharding = leaf.sharding
+            spec = (
+                spec_to_json(sharding.spec, len(leaf.shape))
+                if isinstance(sharding, NamedSharding)
+                else str(sharding)
+            )
+            found["/".join(filter(None, (name, path)))] = spec
+    return found
 
 
 @contextlib.contextmanager

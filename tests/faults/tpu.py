@@ -1,6 +1,7 @@
 """Faults only a TPU compile at production size sees plainly, each with numbers equal to Linen's.
 
-The same faulty families as the ``cost`` check's (:mod:`tests.faults.cost`), compiled
+An output head NNX replicates, which the compiler places differently; and the same
+faulty families as the ``cost`` check's (:mod:`tests.faults.cost`), compiled
 by libtpu for a TPU slice: at the device size on a small slice, and at llama's ``8b``
 on a production slice, scanned as production trains, where a lost remat no longer fits
 the chip and a per-layer copy of a read-only table costs gigabytes. At the device size
@@ -10,12 +11,34 @@ remat shows as the all-reduces Linen's recomputed forward runs and NNX's does no
 
 from __future__ import annotations
 
+from conformance_models.llama.family import LlamaFamily
 from tests.faults.cost import NnxDropsRemat, NnxReplicatesKernel, NnxScanStacksReadOnlyTable
 from tests.faults.fault import Fault
 
 _COMPILED = "compiled for TPU"
 
+
+class NnxReplicatesHead(LlamaFamily):
+    """NNX replicates the output head Linen shards by vocabulary: the same logits, which
+    the compiler then places replicated along the vocabulary."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        model.lm_head.kernel.set_metadata(out_sharding=(None, None))
+        return model
+
+
 FAULTS = (
+    Fault(
+        NnxReplicatesHead(),
+        "tpu_compile",
+        (
+            _COMPILED,
+            "forward: logits placed by the compiler as Linen ['data', None, 'tensor']",
+            "but NNX ['data', None, None]",
+        ),
+        mesh_axes=("tensor",),
+    ),
     Fault(
         NnxDropsRemat(),
         "tpu_compile",
