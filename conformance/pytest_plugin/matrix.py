@@ -133,10 +133,20 @@ def agreement_matrix(
     results: dict[tuple[str, str], dict[str, int]],
     bridged: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
-    """The family x check table, one row per family; a cell reads ``agreed/run (extras)``.
+    """The check x family table: a row per check, a column per family.
 
-    Families with a ``bridged`` side are labelled so (:func:`matrix_rows`).
+    It fits a terminal (three families within 100 columns); a cell reads
+    ``agreed/run (extras)`` (:data:`CELL_LEGEND`). Families with a ``bridged`` side are
+    named in a line under it: their parity tests a bridge around one model, not two
+    implementations.
     """
-    rows = matrix_rows(results, bridged)
+    header, *by_family = matrix_rows(results)
+    families = [row[0] for row in by_family]
+    rows = [["check", *families]]
+    rows += [[check, *(row[i] for row in by_family)] for i, check in enumerate(header[1:], 1)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    sides = [f"{f} ({', '.join(bridged[f])})" for f in families if (bridged or {}).get(f)]
+    if sides:
+        lines.append(f"bridged: {'; '.join(sides)}: parity tests the bridge around one model")
+    return lines
