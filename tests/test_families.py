@@ -15,7 +15,12 @@ from conformance import families
 from conformance.checks import registry
 from conformance.contract import discovery, validate
 from conformance.core.failure import CheckFailure
+from conformance.core.roots import Goldens
+from conformance.core.sharding import parse_mesh
 from conformance.families import Family
+from conformance.pytest_plugin.plan import divergence_problems
+from conformance.pytest_plugin.session import Settings
+from conformance.pytest_plugin.tiers import get_tier
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
@@ -114,6 +119,31 @@ def test_a_known_divergence_names_a_check_and_optionally_a_case(check, case, exp
     found = registry.expected_failure(registry.get(check), Diverging(), {}, case)
     assert (found and found.reason) == expected
     assert found is None or found.raises is None, "a family's finding may fail any way"
+
+
+class Misspelt(Gpt3Family):
+    known_divergences = MappingProxyType(
+        {
+            "layuot[remat]": "a misspelt check",
+            "layout[rematt]": "a fragment no id has",
+            "hygiene[loop]": "fine",
+            "own_test": "a zoo's own test",
+            "tpu_compile[v5p]": "no TPU slice in this run: marks nothing, unchecked",
+        }
+    )
+
+
+def test_a_known_divergence_that_marks_no_test_is_a_problem_naming_it():
+    run = Settings(
+        (Misspelt(),), (parse_mesh("fsdp=8"),), (), get_tier("full"), "low", Goldens(None)
+    )
+    found = divergence_problems(Misspelt(), run, {"own_test": {"gpt3-loop"}})
+    assert found == [
+        "family 'gpt3' declares a known divergence 'layuot[remat]' of 'layuot', which is no "
+        "check; did you mean 'layout'?",
+        "family 'gpt3' declares a known divergence 'layout[rematt]', but no test of layout "
+        "has 'rematt' in its id (e.g. 'gpt3-data2-fsdp2-tensor2-remat')",
+    ]
 
 
 def test_a_known_library_failure_must_fail_as_a_check_failure():

@@ -194,7 +194,9 @@ class Family(abc.ABC):
 
     A key is a check name (``"grad_accumulation"``) or a check narrowed to the test ids
     containing a fragment (``"layout[remat]"``). The suite marks those tests as strict
-    expected failures, so a fix upstream turns them red until the entry is removed.
+    expected failures, so a fix upstream turns them red until the entry is removed. A
+    key that can mark no test (no such check, or no test id with the fragment) is a
+    usage error when the suite is collected.
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})

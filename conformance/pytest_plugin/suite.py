@@ -31,13 +31,14 @@ from conformance.pytest_plugin.plan import (
     CASE,
     Planned,
     check_name,
+    divergence_problems,
     group_of,
     marks,
     plan,
     planned_of,
     user_check,
 )
-from conformance.pytest_plugin.session import settings
+from conformance.pytest_plugin.session import Settings, settings
 from conformance.pytest_plugin.tiers import Tier
 from conformance.report.model import AREA
 from conformance.runtime.case import Case
@@ -101,6 +102,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
         item.user_properties.append((AREA, planned.check.area))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
+    _refuse_unknown_divergences(run, items)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
     families = {f.name: i for i, f in enumerate(run.families)}
@@ -114,6 +116,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (families.get(family, len(families)), scan, meshes.get(mesh, len(meshes)))
 
     items[:] = sorted(kept, key=rank)
+
+
+def _refuse_unknown_divergences(run: Settings, items: list[pytest.Item]) -> None:
+    """A usage error for a known divergence that names no check or no test id.
+
+    The run's own tests (a zoo's, over the plugin's axes) count as checks too.
+    """
+    own: dict[str, set[str]] = {}
+    for item in items:
+        if (planned := planned_of(item)) is not None and planned.check.name not in registry.CHECKS:
+            own.setdefault(planned.check.name, set()).add(planned.id)
+    problems = [line for family in run.families for line in divergence_problems(family, run, own)]
+    if problems:
+        raise pytest.UsageError("; ".join(problems))
 
 
 def tier_leaves_out(tier: Tier, planned: Planned, item: pytest.Item) -> str:
