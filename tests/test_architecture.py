@@ -5,7 +5,8 @@ Layers, each importing only those before it:
     contract -> core -> runtime -> checks -> pytest_plugin, cli
 
 ``report`` builds on ``core`` only. Within ``checks``, an area module imports the kernel
-and no other check module; the registry lists them all. Only the pytest plugin, the
+and no other check module; the registry lists them all. No module imports, at any
+depth of its code, one that imports it back (inside a package too). Only the pytest plugin, the
 report collector and the command line import pytest. Nothing in the harness imports a
 concrete family (``conformance_models``) or the test suite, and the built-in families
 reach the harness only through its public face, ``conformance.families``.
@@ -95,6 +96,61 @@ def test_each_layer_imports_only_the_layers_before_it():
             if other != part and other not in ALLOWED[part]:
                 wrong.append(f"{module} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+def module_edges(path: Path, module: str) -> set[str]:
+    """The harness modules ``path`` imports, at any depth: ``from package import sub``
+    is an edge to ``package.sub``, not to the package."""
+    found = set()
+    for name in imports(path, module):
+        if name.startswith("conformance") and _is_module(name):
+            found.add(name)
+    for node in ast.walk(ast.parse(path.read_text())):
+        submodules = isinstance(node, ast.ImportFrom) and node.module and not node.level
+        if submodules and all(_is_module(f"{node.module}.{a.name}") for a in node.names):
+            found.discard(node.module)
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected set of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node] & graph.keys()):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            members = []
+            while not members or members[-1] != node:
+                members.append(stack.pop())
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_anywhere_not_even_inside_a_package():
+    graph = {
+        (name := _module(path, PACKAGE, "conformance")): module_edges(path, name)
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_sees_a_circle_through_function_local_imports():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_check_module_imports_another_only_the_kernel():

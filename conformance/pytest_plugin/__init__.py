@@ -4,9 +4,10 @@ Any project with this package installed can run the suite on its own families
 (``pytest --pyargs conformance.suite``). In every other pytest run the plugin stays
 inert: it declares its options (:mod:`~conformance.pytest_plugin.options`) and markers,
 and imports nothing heavier than pytest. In a conformance run,
-:func:`~conformance.pytest_plugin.session.configure` sets the run up and registers the
-working parts: parametrization and fixtures (:mod:`~conformance.pytest_plugin.suite`),
-goldens, the matrix, scopes per group of tests, progress and reports.
+:func:`~conformance.pytest_plugin.session.configure` sets the run up and
+:func:`~conformance.pytest_plugin.parts.register` registers the working parts:
+parametrization and fixtures (:mod:`~conformance.pytest_plugin.suite`), goldens, the
+matrix, scopes per group of tests, progress and reports.
 """
 
 from __future__ import annotations
@@ -55,6 +56,6 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     for noise in LIBRARY_NOISE:
         config.addinivalue_line("filterwarnings", noise)
-    from conformance.pytest_plugin import session
+    from conformance.pytest_plugin import parts, session
 
-    session.configure(config, tier)
+    parts.register(config, session.configure(config, tier))

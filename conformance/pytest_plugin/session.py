@@ -2,16 +2,16 @@
 
 :func:`configure` runs from ``pytest_configure`` of a conformance run only: it prepares
 the devices (before any backend starts), joins a multi-controller run when asked,
-chooses the families, meshes and tier, and registers the plugin's working parts. The
-settings are one value (:class:`Settings`) kept on the config; the other modules read
-them with :func:`settings`.
+and chooses the families, meshes and tier. The settings are one value
+(:class:`Settings`) kept on the config; the other modules read them with
+:func:`settings`. The plugin's working parts (:mod:`~conformance.pytest_plugin.parts`)
+import this module, never the other way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 import jax
 import pytest
@@ -242,8 +242,8 @@ def _refuse_unavailable(families: list[Family]) -> None:
         )
 
 
-def configure(config: pytest.Config, tier: Tier) -> None:
-    """Set up a conformance run: devices, processes, settings, and the working plugins.
+def configure(config: pytest.Config, tier: Tier) -> Settings:
+    """Set up a conformance run: devices, processes and settings (returned, and kept).
 
     A bad family, mesh or cluster is a usage error naming the valid values, and so is
     a family named on the command line that cannot run here.
@@ -285,7 +285,7 @@ def configure(config: pytest.Config, tier: Tier) -> None:
         raise pytest.UsageError(str(err)) from None
     run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens, tpu)
     config.stash[_SETTINGS] = run
-    _register(config, run)
+    return run
 
 
 def _tpu_targets(values: list[str]) -> tuple[TpuTarget, ...]:
@@ -380,44 +380,3 @@ def _refuse_configuration_from_option_values(config: pytest.Config) -> None:
             f"configuration from {config.inipath or 'no file'} instead of {inipath or 'none'}: "
             "join path options to their values (--conformance-report=DIR)"
         )
-
-
-def _register(config: pytest.Config, run: Settings) -> None:
-    """Register the plugin's working parts for this run."""
-    from conformance.pytest_plugin import suite
-    from conformance.pytest_plugin.matrix import SessionReport
-    from conformance.pytest_plugin.multicontroller import MultiController
-    from conformance.pytest_plugin.progress import CompileClock, ControllerProgress, Progress
-    from conformance.pytest_plugin.scopes import ScopePerGroup
-
-    manager = config.pluginmanager
-    if distributed.is_multiprocess():
-        manager.register(MultiController(), "conformance-processes")
-    manager.register(suite, "conformance-suite")
-    if workers.is_worker(config):
-        manager.register(workers.WholeGroups(), "conformance-whole-groups")
-    if not workers.is_worker(config):  # its hook runs only where xdist starts workers
-        handed = {"goldens": run.goldens.describe(list(run.families))}
-        manager.register(workers.Handover(handed), "conformance-handover")
-    manager.register(SessionReport(config), "conformance-report")
-    manager.register(ScopePerGroup(), "conformance-scopes")
-    manager.register(CompileClock(), "conformance-compiles")
-    if (directory := options.value(config, "report")) is not None:
-        from conformance.report.collector import ReportCollector
-        from conformance.report.model import header
-
-        meshes = [m.id for m in run.run_meshes]
-        families = [f.name for f in run.families]
-        head = header(run.tier.name, meshes, run.xla_opt, families, run.bridged())
-        command = [str(config.invocation_params.dir), *config.invocation_params.args]
-        writes = distributed.is_leader()
-        collector = ReportCollector(Path(directory).resolve(), head, command, writes=writes)
-        manager.register(collector, "conformance-report-files")
-    if options.value(config, "progress"):
-        lines = run.header() if config.option.verbose < 0 and not workers.is_worker(config) else []
-        progress = (
-            ControllerProgress(lines)
-            if workers.is_controller(config)
-            else Progress(lines, suite.progress_label)
-        )
-        manager.register(progress, "conformance-progress")

@@ -1,6 +1,6 @@
 """The plugin's hooks and fixtures of a conformance run: parametrize, collect, run, report.
 
-Registered by :func:`conformance.pytest_plugin.session.configure` in a conformance run
+Registered by :func:`conformance.pytest_plugin.parts.register` in a conformance run
 only, so a host project's own run never sees these fixtures. A registered check of the
 suite takes one parameter, :data:`~conformance.pytest_plugin.plan.CASE` (its
 :class:`~conformance.pytest_plugin.plan.Planned` test), and its fixture runs the check;
