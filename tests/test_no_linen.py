@@ -1,5 +1,7 @@
 """A family whose Linen was deleted: NNX against its recorded references and its goldens."""
 
+import dataclasses
+
 import pytest
 
 from conformance.checks.registry import CHECKS
@@ -88,3 +90,10 @@ def test_structure_and_sharding_match_the_goldens_with_nnx_alone(tmp_path, check
 def test_nnx_alone_agrees_with_the_recorded_linen(tmp_path, check):
     assert (references_root(GOLDENS) / "gpt3" / "linen").is_dir()
     run_check(check, FAMILY, tmp_path, MESH, params={"backend": "nnx"})
+
+
+def test_an_unknown_axis_is_an_error_not_a_quantization_axis():
+    check = dataclasses.replace(CHECKS["forward"], axes=("family", "precision"))
+    run = Settings((FAMILY,), (MESH,), (TOPOLOGY,), get_tier("full"), "low", Goldens(None))
+    with pytest.raises(ValueError, match="unknown axis 'precision'; axes: family, size"):
+        plan(check, FAMILY, run)

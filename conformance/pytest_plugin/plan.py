@@ -14,7 +14,7 @@ import difflib
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -37,7 +37,19 @@ from conformance.runtime.quant import MODES
 CASE = "conformance_case"
 """The parameter (a :class:`Planned`) of every registered suite check."""
 
-Group = tuple[str, bool, str]
+
+class Group(NamedTuple):
+    """Tests sharing compiled programs: one family's, in one layer layout, on one mesh."""
+
+    family: str
+    scan_layers: bool
+    mesh: str
+
+    def same_model(self, other: Group) -> bool:
+        """Whether ``other`` builds the same model: the same family and layout."""
+        return (self.family, self.scan_layers) == (other.family, other.scan_layers)
+
+
 """``(family, scan_layers, mesh id)``: tests that can share compiled programs."""
 
 
@@ -138,7 +150,7 @@ class Planned:
         mesh = self.values.get("mesh")
         if not isinstance(mesh, MeshSpec) or self.check.saved_on:
             mesh = primary
-        return (self.family.name, bool(scan), mesh.id)
+        return Group(self.family.name, bool(scan), mesh.id)
 
 
 def _axis_values(name: str, family: Family, run: Settings, method: str | None) -> list[Any]:
@@ -164,13 +176,15 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "recorded":
             backends = family.capabilities.recorded
             return [(f"recorded-{b}", b) for b in backends] or [("recorded-none", None)]
-        case _:
+        case "quant":
             modes = [
                 m
                 for m in sorted(family.capabilities.quantization)
                 if method is None or MODES[m].method == method
             ]
             return [(m, m) for m in modes] or [("none", None)]
+        case _:
+            raise ValueError(f"unknown axis {name!r}; axes: {', '.join(AXES)}")
 
 
 def plan(check: Check, family: Family, run: Settings) -> list[Planned]:

@@ -58,7 +58,7 @@ class ScopePerGroup:
         self.peak = max(self.peak, mappings)
         if group is not None and group != following:
             self.releases += 1
-            return following is not None and following[:2] == group[:2]
+            return following is not None and following.same_model(group)
         if self.budget is not None and mappings > self.budget:
             self.early += 1
             return True
