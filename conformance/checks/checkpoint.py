@@ -16,6 +16,7 @@ from conformance.checks.kernel import (
     steps_agree,
     train_pair,
 )
+from conformance.contract import Backend
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
@@ -95,7 +96,7 @@ def check_checkpoint_conversion(
     )
     target_scan = target.scan_layers
     info_in = CheckpointInfo(family.name, case.size, source, case.scan_layers)
-    target_backend = "nnx" if source == "linen" else "linen"
+    target_backend = Backend(source).other
     sides = trained(case)
     original = sides[source]
     batch = case.batch()

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from conformance import contract
+from conformance.contract import Backend
 from conformance.runtime.checkpoints import (
     CheckpointError,
     convert,
@@ -71,7 +72,7 @@ def run(source: Path, destination: Path, to: str = "auto", layout: str = "same")
             f"{source} is not a {info.backend} {info.family}/{info.size}/{info.layout} "
             f"train state as its {source.name}/conformance.json says:\n{err}"
         ) from None
-    backend = {"auto": "nnx" if info.backend == "linen" else "linen"}.get(to, to)
+    backend = info.backend.other if to == "auto" else Backend(to)
     scan = info.scan_layers if layout == "same" else layout == "scan"
     converted, new_info = convert(state, family, info, backend, scan)
     save(destination, converted, new_info)

@@ -15,6 +15,7 @@ from conformance.contract.family import (
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
+    Backend,
     Batch,
     Capabilities,
     Family,
@@ -28,6 +29,7 @@ from conformance.contract.validate import problems, validate
 __all__ = [
     "DISTRIBUTION",
     "ENTRY_POINT_GROUP",
+    "Backend",
     "Batch",
     "Capabilities",
     "Family",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -35,8 +36,25 @@ DECODE_STYLES = ("prefill", "token")
 PREDICTIONS = ("next", "current")
 """What the logits at a position predict: :attr:`Family.logits_predict`."""
 
-BACKENDS = ("linen", "nnx")
-"""The backends a family is written for, by id (test ids, checkpoints, references)."""
+
+class Backend(enum.StrEnum):
+    """A backend a family is written for.
+
+    Its value is its id in test ids, checkpoints and references, and it compares equal
+    to that id.
+    """
+
+    LINEN = "linen"
+    NNX = "nnx"
+
+    @property
+    def other(self) -> Backend:
+        """The backend a conversion from this one goes to."""
+        return Backend.NNX if self is Backend.LINEN else Backend.LINEN
+
+
+BACKENDS = tuple(backend.value for backend in Backend)
+"""The backends' ids (:class:`Backend`), in order."""
 
 
 class FamilyError(LookupError):

@@ -26,7 +26,7 @@ from conformance.checks.registry import (
     Param,
     expected_failure,
 )
-from conformance.contract import Family
+from conformance.contract import Backend, Family
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
 from conformance.core.tpu import compiles
@@ -274,7 +274,9 @@ def skip_reason(planned: Planned) -> str | None:
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")
     backend = planned.params.get("backend")
-    if not family.has_linen and (check.pair or (backend is not None and backend.value == "linen")):
+    if not family.has_linen and (
+        check.pair or (backend is not None and backend.value == Backend.LINEN)
+    ):
         reason = (
             f"{family.name} has no Linen module (Linen was deleted): its NNX side is "
             "compared with its recorded references (recorded_*) and its goldens"

@@ -25,7 +25,8 @@ from jax.sharding import Sharding
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.metadata.array_metadata_store import Store
 
-from conformance.contract import Family
+from conformance.contract import Backend, Family
+from conformance.contract.family import BACKENDS
 from conformance.core import distributed
 from conformance.core.distributed import host_array
 from conformance.core.seams import seam
@@ -45,7 +46,6 @@ from conformance.runtime.training import TRAINERS, flat_state
 FORMAT_VERSION = 1
 INFO_FILE = "conformance.json"
 STATE_DIR = "state"
-BACKENDS = ("linen", "nnx")
 
 
 class CheckpointError(ValueError):
@@ -58,7 +58,7 @@ class CheckpointInfo:
 
     family: str
     size: str
-    backend: str
+    backend: Backend
     scan_layers: bool
 
     @property
@@ -140,14 +140,17 @@ def read_info(directory: Path) -> CheckpointInfo:
         if record.pop("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: unsupported format, expected {FORMAT_VERSION}")
         info = CheckpointInfo(**record)
+        info = dataclasses.replace(info, backend=Backend(info.backend))
     except FileNotFoundError:
         raise CheckpointError(
             f"{directory} has no {INFO_FILE}: not a conformance checkpoint"
         ) from None
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is corrupted: {err}") from None
-    if info.backend not in BACKENDS:
-        raise CheckpointError(f"{path}: backend {info.backend!r} is not one of {BACKENDS}")
+    except ValueError:
+        raise CheckpointError(
+            f"{path}: backend {record['backend']!r} is not one of {BACKENDS}"
+        ) from None
     return info
 
 
@@ -224,7 +227,7 @@ def _rename(state: Flat, mapping: Mapping[str, str]) -> Flat:
 
 
 def convert(
-    state: Flat, family: Family, source: CheckpointInfo, backend: str, scan_layers: bool
+    state: Flat, family: Family, source: CheckpointInfo, backend: Backend, scan_layers: bool
 ) -> tuple[Flat, CheckpointInfo]:
     """Convert a train state between backends and layer layouts.
 
@@ -237,7 +240,7 @@ def convert(
     restack = seam("convert_restack", trees_restack)
     src_config = family.config(source.size, scan_layers=source.scan_layers)
     dst_config = family.config(source.size, scan_layers=scan_layers)
-    if source.backend == "nnx":
+    if source.backend is Backend.NNX:
         to_linen = {v: k for k, v in path_map(family, src_config).items()}
         state = rename(state, map_state_paths(to_linen, state))
     if source.scan_layers != scan_layers:
@@ -254,7 +257,7 @@ def convert(
         if persistent:
             table = layer_table(rules, persistent)
             state = restack(state, table, scan_layers, family.state_stack_axis)
-    if backend == "nnx":
+    if backend is Backend.NNX:
         state = rename(state, map_state_paths(path_map(family, dst_config), state))
     state = seam("convert_cast_counters", cast_counters)(
         state, expected_layout(family, dst_config, backend)
@@ -262,7 +265,7 @@ def convert(
     return state, dataclasses.replace(source, backend=backend, scan_layers=scan_layers)
 
 
-def expected_layout(family: Family, config: Any, backend: str) -> dict[str, LeafSpec]:
+def expected_layout(family: Family, config: Any, backend: Backend) -> dict[str, LeafSpec]:
     """``{path: LeafSpec}`` of the train state the harness builds for ``backend``."""
     trainer = TRAINERS[backend](family, config)
     return specs(flat_state(trainer.abstract_state))

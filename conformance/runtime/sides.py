@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from jax.sharding import NamedSharding
 
+from conformance.contract import Backend
 from conformance.core.failure import fail
 from conformance.core.sharding import Logical
 from conformance.core.trees import (
@@ -62,7 +63,7 @@ class Side(abc.ABC):
     case: Case
     name: ClassVar[str]
     """How reports name the side (``Linen``, ``NNX``)."""
-    backend: ClassVar[str]
+    backend: ClassVar[Backend]
     """The backend's id in checkpoints and test ids (``linen``, ``nnx``)."""
     parts: ClassVar[dict[type, str]]
     """The runtime objects the side builds, each with what it is (``model``, ``trainer``,
@@ -162,7 +163,7 @@ class LinenSide(Side):
     """The Flax Linen implementation: ``Family.linen_module``."""
 
     name: ClassVar[str] = "Linen"
-    backend: ClassVar[str] = "linen"
+    backend: ClassVar[Backend] = Backend.LINEN
     parts: ClassVar[dict[type, str]] = {
         LinenRunner: "model",
         LinenTrainer: "trainer",
@@ -210,7 +211,7 @@ class NnxSide(Side):
     """The Flax NNX implementation: ``Family.nnx_module``; its paths are the canonical ones."""
 
     name: ClassVar[str] = "NNX"
-    backend: ClassVar[str] = "nnx"
+    backend: ClassVar[Backend] = Backend.NNX
     parts: ClassVar[dict[type, str]] = {
         NnxRunner: "model",
         NnxTrainer: "trainer",
@@ -250,7 +251,7 @@ class NnxSide(Side):
         return dict(flat)
 
 
-SIDES: dict[str, type[Side]] = {side.backend: side for side in (LinenSide, NnxSide)}
+SIDES: dict[Backend, type[Side]] = {side.backend: side for side in (LinenSide, NnxSide)}
 """The live backends' sides, by backend id."""
 
 

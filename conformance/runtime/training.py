@@ -35,7 +35,7 @@ from flax import nnx
 from flax.nnx import variablelib
 from jax.sharding import NamedSharding, PartitionSpec
 
-from conformance.contract import Batch, Family
+from conformance.contract import Backend, Batch, Family
 from conformance.core.scope import scoped
 from conformance.core.seams import seam
 from conformance.core.sharding import Logical, nnx_logical
@@ -659,5 +659,8 @@ def nnx_trainer(
     return NnxTrainer(family, config, micro_batches, quant, vocab_tiles)
 
 
-TRAINERS: dict[str, Callable[..., Any]] = {"linen": linen_trainer, "nnx": nnx_trainer}
+TRAINERS: dict[Backend, Callable[..., Any]] = {
+    Backend.LINEN: linen_trainer,
+    Backend.NNX: nnx_trainer,
+}
 """Each backend's trainer factory, by backend id."""
