@@ -41,6 +41,7 @@ def test_the_same_library_error_on_both_backends_is_reported_as_one(monkeypatch)
     assert report.startswith("llama quant_forward: Linen raised AssertionError while building")
     assert "shape=(64, 4, 16) spec=('embed', 'heads')" in report
     assert "raised at qwix/_src/utils/flax_util.py" in report
+    assert "called from llama's own code (conformance_models) at models/linen_layers.py" in report
     assert "the parameters it names: layers_0/attn/q/kernel: shape (64, 4, 16)" in report
     assert "layers_1/attn/q/kernel" in report
     assert "NNX fails alike (NnxRunner.build): the same error on both backends" in report
@@ -103,3 +104,22 @@ def test_the_other_side_is_probed_in_the_case_that_raised(monkeypatch):
     report = str(caught.value)
     assert "Linen raised JaxRuntimeError while running a train step" in report, report
     assert "NNX fails alike (Training.advance): the same error on both backends" in report
+
+
+class AdapterBug(families.get("llama").__class__):
+    """A family whose own NNX adapter raises: the report must say the error is the zoo's."""
+
+    def nnx_module(self, config, rngs):
+        raise ValueError("the adapter forgot a layer")
+
+
+def test_an_error_in_the_familys_own_code_is_named_as_such():
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    case = Case.of(AdapterBug(), "tiny", mesh=mesh, devices=mesh.devices())
+    with pytest.raises(CheckFailure) as caught:
+        registry.get("forward")(case)
+    report = str(caught.value)
+    assert "NNX raised ValueError while building the model" in report, report
+    package = AdapterBug.__module__.split(".")[0]
+    assert f"raised in llama's own code ({package}), not the harness's" in report, report
+    assert "only NNX fails: Linen gets through building the model" in report, report

@@ -14,10 +14,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+import sys
 import traceback
 from pathlib import Path
 from types import FrameType
 
+from conformance.contract import Family
 from conformance.runtime.aot import abstract_batch, batch_rows, lowered_forward
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES, Side, live_sides
@@ -140,17 +142,12 @@ def raised_in(error: BaseException) -> Raised | None:
     return Raised(side.name, doing, call, error, case)
 
 
-def origin(error: BaseException) -> str:
-    """Where ``error`` was raised: the innermost frame's file, line and function.
+def _where(frame: FrameType, line: int) -> str:
+    """``file:line in function`` of a traceback entry.
 
     The file is shortened to its path inside ``site-packages``, or inside the working
-    directory. JAX drops its own frames from a traceback, so an error inside a traced
-    function is located in the model code that called JAX.
+    directory.
     """
-    frames = list(traceback.walk_tb(error.__traceback__))
-    if not frames:
-        return "unknown"
-    frame, line = frames[-1]
     path = Path(frame.f_code.co_filename)
     parts = path.parts
     installed = [i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")]
@@ -159,6 +156,47 @@ def origin(error: BaseException) -> str:
     elif path.is_relative_to(Path.cwd()):
         path = path.relative_to(Path.cwd())
     return f"{path}:{line} in {frame.f_code.co_name}"
+
+
+def origin(error: BaseException) -> str:
+    """Where ``error`` was raised: the innermost frame's file, line and function.
+
+    JAX drops its own frames from a traceback, so an error inside a traced function is
+    located in the model code that called JAX.
+    """
+    frames = list(traceback.walk_tb(error.__traceback__))
+    return _where(*frames[-1]) if frames else "unknown"
+
+
+def _package_dir(family: Family) -> Path | None:
+    """The directory of the top-level package ``family``'s class is defined in."""
+    top = sys.modules.get(type(family).__module__.split(".")[0])
+    files = getattr(top, "__path__", None) or [getattr(top, "__file__", None) or ""]
+    return Path(files[0]).resolve() if files[0] else None
+
+
+def family_code(error: BaseException, family: Family) -> str | None:
+    """Where ``family``'s own code (its package: model and adapter) is on a traceback.
+
+    ``None`` when it is not on ``error``'s; ``raised in <family>'s own code ...`` when
+    the innermost frame is there; else ``called from <family>'s own code at ...``, its
+    innermost frame that is.
+    """
+    home = _package_dir(family)
+    frames = list(traceback.walk_tb(error.__traceback__))
+    if home is None or not frames:
+        return None
+    own = [
+        (frame, line)
+        for frame, line in frames
+        if Path(frame.f_code.co_filename).resolve().is_relative_to(home)
+    ]
+    if not own:
+        return None
+    package = type(family).__module__.split(".")[0]
+    if own[-1] == frames[-1]:
+        return f"raised in {family.name}'s own code ({package}), not the harness's"
+    return f"called from {family.name}'s own code ({package}) at {_where(*own[-1])}"
 
 
 def probe(side: Side, trainer: bool) -> Raised | None:
@@ -257,6 +295,8 @@ def report(case: Case, error: BaseException) -> str | None:
         *raised.message(),
         f"raised at {origin(error)}",
     ]
+    if (own := family_code(error, case.family)) is not None:
+        lines.append(own)
     if params := named_params(error, sides[raised.side]):
         lines.append("the parameters it names: " + "; ".join(params[:_MAX_PATHS]))
         if len(params) > _MAX_PATHS:
