@@ -29,6 +29,16 @@ def test_map_paths_rewrites_layer_lists():
     assert mapping == {"layers_1/attn/q": "layers/1/attn/q", "embed/embedding": "embed/embedding"}
 
 
+def test_map_paths_applies_the_first_matching_rule_once_and_no_other():
+    rules = ((r"mlp/wi", "mlp/up"), (r"mlp/(\w+)", r"mlp/x_\1"), (r"^", "model/"))
+    mapping = map_paths(rules, ["mlp/wi/mlp/wi", "mlp/wo", "norm"])
+    assert mapping == {
+        "mlp/wi/mlp/wi": "mlp/up/mlp/wi",  # the first rule, its first match only
+        "mlp/wo": "mlp/x_wo",  # the second rule; the third never sees it
+        "norm": "model/norm",
+    }
+
+
 def test_map_paths_rejects_two_sources_for_one_target():
     with pytest.raises(PathMapError, match="both 'a/x' and 'b/x'"):
         map_paths(((r"^[ab]/", "c/"),), ["a/x", "b/x"])

@@ -384,7 +384,14 @@ class Family(abc.ABC):
         return config
 
     def path_rules(self, config: Any) -> PathRules:
-        """Rewrites from Linen parameter paths to NNX ones; identity by default."""
+        """Rewrites from Linen parameter paths to NNX ones; identity by default.
+
+        ``(pattern, replacement)`` pairs, tried in order: the first pattern that matches
+        a path (``re.search``) rewrites its first match (``re.sub(..., count=1)``) and no
+        later rule sees that path; a path no rule matches keeps its name. The resulting
+        map must be one-to-one and cover every NNX parameter. Cache paths map by the same
+        rules.
+        """
         del config
         return ()
 
