@@ -72,8 +72,7 @@ def facets(
     tpu_production: bool = False,
 ) -> dict[str, object]:
     """What a tier narrows the test that would run such a check by."""
-    layouts = (params or {}).get("layouts", (0, 0))
-    source, target = ("scan" if scan else "loop" for scan in layouts)
-    found = {"mesh": mesh, "scan_layers": False, "dtype": "f32", "layouts": f"{source}-{target}"}
+    layouts = tuple(bool(s) for s in (params or {}).get("layouts", (0, 0)))
+    found = {"mesh": mesh, "scan_layers": False, "dtype": "f32", "layouts": layouts}
     found["tpu_production"] = tpu_production
     return found | ({"quant": quant} if quant else {})

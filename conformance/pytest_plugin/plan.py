@@ -80,7 +80,7 @@ class Planned:
         if "dtype" in self.values:
             found["dtype"] = dtype_ids.get(self.values["dtype"], "")
         if "layouts" in self.params:
-            found["layouts"] = self.params["layouts"].id
+            found["layouts"] = tuple(self.params["layouts"].value)
         if (compile_ := self.values.get("tpu")) is not None:
             found["tpu_production"] = compile_.target.production
             found["scan_layers"] = compile_.scan_layers

@@ -67,8 +67,8 @@ class Tier:
 
         ``facets`` describe a test by name: ``mesh`` (a device mesh), ``scan_layers``,
         ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts`` (a checkpoint
-        conversion's ``source-target`` id) and ``tpu_production`` (a TPU compile at
-        production sizes); a test lacking one is not narrowed by it.
+        conversion's source and target layouts, ``True``: scanned) and ``tpu_production``
+        (a TPU compile at production sizes); a test lacking one is not narrowed by it.
         """
         mesh = facets.get("mesh")
         if mesh is not None and self.meshes is not None and mesh.id not in self.meshes:
@@ -86,11 +86,10 @@ class Tier:
         if not self.tpu_production and facets.get("tpu_production"):
             return "production-size TPU compiles"
         pair = facets.get("layouts")
-        if self.same_layout_conversions and isinstance(pair, str):
-            source, _, target = pair.partition("-")
-            first = "scan" if preferred else "loop"
-            if source != target or (self.one_layout and source != first):
-                return f"checkpoint conversion {pair}"
+        if self.same_layout_conversions and pair is not None:
+            source, target = pair
+            if source != target or (self.one_layout and source != preferred):
+                return "checkpoint conversion " + "-".join("scan" if s else "loop" for s in pair)
         return ""
 
 
