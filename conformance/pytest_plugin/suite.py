@@ -164,12 +164,23 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
 
 
+SUITE = Path(__file__).parents[1] / "suite"
+"""Where the suite's test modules live: the place every skip of theirs is reported at."""
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Show a :class:`CheckFailure` as its report alone: the message is the product."""
+    """Show a :class:`CheckFailure` as its report alone: the message is the product.
+
+    A registered check's skip is reported at the suite, not at its module, so pytest's
+    summary folds every skip of one reason into one line with its count.
+    """
     report = yield
     if call.excinfo is not None and call.excinfo.errisinstance(CheckFailure):
         report.longrepr = str(call.excinfo.value)
+    planned = planned_of(item)
+    if report.skipped and isinstance(report.longrepr, tuple) and planned and planned.registered:
+        report.longrepr = (str(SUITE), None, report.longrepr[2])
     return report
 
 
