@@ -1,0 +1,71 @@
+"""The comparison kernel every check is built on: sides, shared parameters, train steps.
+
+A check compares two sides of a case (:mod:`conformance.runtime.sides`): it gives them
+the same parameters (:func:`shared_params`), runs both, and compares what they computed,
+keyed by canonical paths, under the tolerance policy. When a comparison on a mesh fails,
+the same two computations on one device say which side moved (:func:`attributed`).
+Check modules import this package's face and nothing else of ``conformance.checks``;
+failures are raised with :func:`~conformance.core.failure.fail`, headed by the check
+that runs. By what it compares:
+
+* :mod:`~conformance.checks.kernel.logits`: forwards, quantized forwards, attribution;
+* :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
+  orbax round trips;
+* :mod:`~conformance.checks.kernel.steps`: train steps.
+"""
+
+from conformance.checks.kernel.layouts import (
+    agreed_specs,
+    leaf_table,
+    misplaced,
+    param_map,
+    round_trip,
+    shared_params,
+)
+from conformance.checks.kernel.logits import (
+    Rerun,
+    attributed,
+    compared,
+    error_bound,
+    forward_attribution,
+    nudged_reruns,
+    quantized_forwards,
+)
+from conformance.checks.kernel.steps import (
+    STEPS,
+    leaf_group,
+    rerun_note,
+    rounding_step,
+    step_disagreement,
+    step_tree,
+    steps_agree,
+    train_pair,
+    train_step_parity,
+    train_steps,
+)
+
+__all__ = [
+    "STEPS",
+    "Rerun",
+    "agreed_specs",
+    "attributed",
+    "compared",
+    "error_bound",
+    "forward_attribution",
+    "leaf_group",
+    "leaf_table",
+    "misplaced",
+    "nudged_reruns",
+    "param_map",
+    "quantized_forwards",
+    "rerun_note",
+    "round_trip",
+    "rounding_step",
+    "shared_params",
+    "step_disagreement",
+    "step_tree",
+    "steps_agree",
+    "train_pair",
+    "train_step_parity",
+    "train_steps",
+]

@@ -1,0 +1,171 @@
+"""Logits compared: two sides' forwards, their quantized forwards, and which side moved.
+
+:func:`compared` is the comparison every logits check makes; when it fails on a mesh,
+:func:`forward_attribution` reruns both forwards on one device to say which side
+computes differently when partitioned. Quantized forwards are judged with the float
+forwards beside them (:func:`quantized_forwards`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from conformance.core.distributed import host_array
+from conformance.core.failure import fail
+from conformance.core.numerics import Mismatch, Tolerance, compare_arrays, report
+from conformance.core.records import emit_verdict
+from conformance.core.rounding import NUDGE_SEEDS, one_ulp_nudge, rounding_verdict
+from conformance.core.trees import Flat
+from conformance.runtime.case import Case
+from conformance.runtime.diagnose.attribution import Pair, attribution_text
+from conformance.runtime.sides import Side
+
+
+def compared(
+    title: str,
+    first: Any,
+    second: Any,
+    *,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    tolerance: Tolerance | None = None,
+    figure: str = "",
+    series: str = "",
+    x: str = "",
+) -> Mismatch | None:
+    """Two sides' logits compared under the policy (or ``tolerance``), and measured.
+
+    The comparison every logits check makes: :func:`~conformance.core.numerics.compare_arrays`
+    of the leaf ``logits``, emitted as a measurement titled ``title`` (at ``x`` of line
+    ``series`` in plot ``figure``) for the report. Returns the mismatch, if any.
+    """
+    found = compare_arrays("logits", first, second, tolerance)
+    plot = {"figure": figure, "series": series, "x": x}
+    emit_verdict(title, "logits", first, second, found, names=names, tolerance=tolerance, **plot)
+    return found
+
+
+def attributed(
+    case: Case,
+    names: tuple[str, str],
+    on_mesh: Pair,
+    on_one_device: Callable[[], Pair],
+    *,
+    quantized: bool = False,
+) -> str:
+    """Which of two results computed on ``case``'s mesh moves on one device, in words.
+
+    ``on_one_device`` recomputes both on one device (only called here, after a
+    failure); never raises (:func:`~conformance.runtime.diagnose.attribution.attribution_text`).
+    """
+    return attribution_text(case.mesh, names, on_mesh, on_one_device, quantized=quantized)
+
+
+def forward_attribution(
+    first: Side,
+    second: Side,
+    logits: tuple[Any, Any],
+    params: tuple[Flat, Flat],
+    *,
+    quantized: bool = False,
+) -> str:
+    """Which side's ``logits`` on the case's mesh move when the forward runs on one device.
+
+    ``logits`` come from ``params`` (each side's own paths); both forwards are rerun
+    from the same parameters on the sides' one-device references, so call it only on a
+    failure. ``quantized`` (implied by a quantized case): the forward rounds to a grid.
+    """
+
+    def on_one_device() -> Pair:
+        results = []
+        for side, side_params in zip((first, second), params, strict=True):
+            reference = side.reference()
+            batch = reference.case.batch()
+            results.append({"logits": reference.forward(reference.place(side_params), batch)[0]})
+        return results[0], results[1]
+
+    on_mesh = ({"logits": logits[0]}, {"logits": logits[1]})
+    quantized = quantized or first.case.quant is not None
+    return attributed(
+        first.case, (first.name, second.name), on_mesh, on_one_device, quantized=quantized
+    )
+
+
+Rerun = Callable[[Flat], Any]
+"""A side's quantized computation from float parameters given on the host (own paths)."""
+
+
+def nudged_reruns(
+    reruns: tuple[Rerun | None, Rerun | None], float_params: tuple[Flat | None, Flat | None]
+) -> tuple[list[Any], list[Any]]:
+    """Each side's quantized results from its float parameters nudged by one ulp.
+
+    One result per seed of :data:`~conformance.core.rounding.NUDGE_SEEDS`: the same
+    programs as the compared run, so nothing new is compiled. A side without a rerun (a
+    recording) has none.
+    """
+    first, second = (
+        []
+        if rerun is None or params is None
+        else [rerun(one_ulp_nudge(params, seed)) for seed in NUDGE_SEEDS]
+        for rerun, params in zip(reruns, float_params, strict=True)
+    )
+    return first, second
+
+
+def quantized_forwards(
+    title: str,
+    names: tuple[str, str],
+    logits: tuple[Any, Any],
+    float_logits: tuple[Any, Any],
+    reruns: tuple[Rerun | None, Rerun | None],
+    float_params: tuple[Flat | None, Flat | None],
+) -> str | None:
+    """The report of two quantized forwards disagreeing under the quantization-aware policy.
+
+    ``logits`` must agree under the float policy, or differ by float rounding carried
+    across quantization steps (:func:`~conformance.core.rounding.rounding_verdict`,
+    judged from the ``float_logits`` of the same parameters and each side's ``reruns``
+    from nudged ``float_params``; a side that cannot be rerun, a recording, gives
+    ``None`` for both). A report says what the float forwards show.
+    """
+    found = compare_arrays("logits", *logits)
+    verdict = None
+    if found is not None:
+
+        def moved() -> tuple[list[Flat], list[Flat]]:
+            first, second = nudged_reruns(reruns, float_params)
+            return [{"logits": x} for x in first], [{"logits": x} for x in second]
+
+        verdict = rounding_verdict(
+            "forwards",
+            ({"logits": logits[0]}, {"logits": logits[1]}),
+            ({"logits": float_logits[0]}, {"logits": float_logits[1]}),
+            moved,
+            names,
+            ("logits",),
+        )
+    accepted = verdict is not None and verdict.accepted
+    emit_verdict(title, "logits", *logits, None if accepted else found, names=names)
+    if found is None or accepted:
+        return None
+    return f"{report(title, [found], names)}\n  {verdict.text}"
+
+
+def error_bound(where: str, quantized: Any, reference: Any, bound: float) -> None:
+    """Quantized logits differ from float ``reference`` logits, by at most ``bound``.
+
+    The measure is the relative L2 error ``||quantized - reference|| / ||reference||``;
+    an error of exactly zero fails, as it means quantization did nothing.
+    """
+    q, r = (host_array(x).astype(np.float64) for x in (quantized, reference))
+    error = float(np.linalg.norm(q - r) / max(np.linalg.norm(r), np.finfo(np.float64).tiny))
+    if error == 0.0:
+        fail(f"{where}: quantized logits equal the float logits exactly; quantization did nothing")
+    if not error <= bound:
+        fail(
+            f"{where}: relative L2 error of quantized vs float logits is {error:.4g}, "
+            f"above the bound {bound}"
+        )

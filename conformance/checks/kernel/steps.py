@@ -1,0 +1,253 @@
+"""Train steps compared: both sides' steps from the same parameters, leaf by leaf.
+
+:func:`train_step_parity` runs :data:`STEPS` steps of both sides and compares each
+step's loss, gradients and next state; a failure on a mesh says which side moves on
+one device, and a quantized step that fails the float policy is judged by the float
+steps from the same parameters (:func:`rounding_step`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from conformance.checks.kernel.layouts import param_map
+from conformance.checks.kernel.logits import attributed
+from conformance.core.environment import nondeterminism
+from conformance.core.failure import fail
+from conformance.core.numerics import compare_trees, report
+from conformance.core.records import emit, listening, measure
+from conformance.core.rounding import NUDGE_SEEDS, RoundingVerdict, one_ulp_nudge, rounding_verdict
+from conformance.core.trees import Flat
+from conformance.runtime.backends import TransplantError
+from conformance.runtime.case import Case
+from conformance.runtime.diagnose.attribution import noise_masked
+from conformance.runtime.sides import live_pair
+from conformance.runtime.stepping import StepResult, Training
+
+STEPS = 3
+"""Train steps compared for parity."""
+
+
+def train_pair(
+    case: Case,
+    start: Flat | None = None,
+    *,
+    micro_batches: int = 1,
+    vocab_tiles: int = 1,
+) -> tuple[Training, Training]:
+    """Both live sides' train states on ``case``, the NNX one holding Linen's parameters.
+
+    Linen's parameters are ``start`` (Linen paths) or its init from seed 0. With
+    ``micro_batches`` or ``vocab_tiles`` above 1 both accumulate or tile their loss,
+    which must not change the parameters. Parameters that do not fit a side fail the
+    check, naming every leaf.
+    """
+    first, second = live_pair(case)
+    param_map(first, second)
+    try:
+        a = Training.start(first, start, micro_batches, vocab_tiles)
+        b = Training.start(
+            second, second.own(first.canonical(a.initial)), micro_batches, vocab_tiles
+        )
+    except TransplantError as err:
+        variant = {
+            k: v
+            for k, v in (("micro_batches", micro_batches), ("vocab_tiles", vocab_tiles))
+            if v != 1
+        }
+        fail(f"the parameters change with {variant}: {err}" if variant else str(err))
+    return a, b
+
+
+def train_steps(case: Case, start: Flat | None = None) -> tuple[Flat, list[tuple[StepResult, ...]]]:
+    """:data:`STEPS` steps of both sides from the same parameters: ``(start, results)``."""
+    a, b = train_pair(case, start)
+    batch = case.batch()
+    return a.initial, [(a.advance(batch), b.advance(batch)) for _ in range(STEPS)]
+
+
+def rerun_note() -> str:
+    """The last line of a report that two runs differ bit for bit: why, where they can.
+
+    Empty where the backend is deterministic (see
+    :func:`~conformance.core.environment.nondeterminism`).
+    """
+    note = nondeterminism()
+    return f"\n  {note}" if note else ""
+
+
+def step_tree(result: StepResult) -> Flat:
+    """A step's results as one flat tree: ``loss``, ``grads/<path>`` and ``state/<path>``."""
+    state, loss, grads = result
+    return {
+        "loss": loss,
+        **{f"grads/{path}": value for path, value in grads.items()},
+        **{f"state/{path}": value for path, value in state.items()},
+    }
+
+
+def leaf_group(path: str) -> str:
+    """The group a step leaf is plotted in: its module, at most four components deep.
+
+    ``grads/decoder/layers_0/mlp/wi/kernel`` is in ``grads/decoder/layers_0/mlp``;
+    ``loss`` is a group of its own.
+    """
+    return "/".join(path.split("/")[:-1][:4]) or path
+
+
+def _by_group(first: Flat, second: Flat) -> dict[str, tuple[Flat, Flat]]:
+    groups: dict[str, tuple[Flat, Flat]] = {}
+    for path in sorted(set(first) & set(second)):
+        a, b = groups.setdefault(leaf_group(path), ({}, {}))
+        a[path], b[path] = first[path], second[path]
+    return groups
+
+
+def step_disagreement(
+    what: str,
+    first: StepResult,
+    second: StepResult,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    *,
+    case: Case | None = None,
+    reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
+    figure: str = "",
+    series: str = "",
+    spread: Callable[[], StepResult] | None = None,
+) -> str | None:
+    """The report of two steps' ``(state, loss, grads)`` disagreeing, or ``None``.
+
+    Emits the error of each leaf group (:func:`leaf_group`) as a measurement of
+    ``figure`` (default ``what``), line ``series`` (default ``what``). With ``case`` and
+    ``reference`` (the same two steps on one device, computed only on failure), the
+    report says which side computes differently when partitioned. With ``spread`` (the
+    second step computed again in another order, only on failure), the steps are
+    compared again leaf by leaf: an updated parameter whose gradient is rounding noise
+    on both sides (:func:`~conformance.runtime.diagnose.attribution.noise_masked`) and
+    an element within the second side's own spread
+    (:func:`~conformance.core.numerics.compare_arrays`) pass.
+    """
+    pair = (step_tree(first), step_tree(second))
+    mismatches = compare_trees(*pair)
+    if mismatches and spread is not None:
+        pair = (pair[0], noise_masked(*pair)[0])
+        mismatches = compare_trees(*pair, spread=step_tree(spread()))
+    if listening():
+        for group, (a, b) in _by_group(*pair).items():
+            found = [m for m in mismatches if leaf_group(m.path) == group]
+            plot = {"figure": figure or what, "series": series or what, "x": group}
+            emit(measure(f"{what}: {group}", a, b, found, names=names, **plot))
+    if not mismatches:
+        return None
+    message = report(what, mismatches, names)
+    if case is not None and reference is not None:
+        message += "\n  " + attributed(
+            case, names, pair, lambda: tuple(step_tree(r) for r in reference())
+        )
+    return message
+
+
+def steps_agree(
+    what: str,
+    first: StepResult,
+    second: StepResult,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    *,
+    case: Case | None = None,
+    reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
+) -> None:
+    """Fail with :func:`step_disagreement`'s report unless the two steps agree."""
+    message = step_disagreement(what, first, second, names, case=case, reference=reference)
+    if message is not None:
+        fail(message)
+
+
+def train_step_parity(case: Case, title: str, float_case: Case | None = None) -> None:
+    """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
+
+    Compares per step the loss, every gradient, and the whole next state (parameters,
+    Adam moments, optax counts and the step counter, which must equal the step number).
+    ``title`` names the mode in reports and plots. A failure also says whether each
+    side agrees with its own steps on one device. With ``float_case`` (the same case
+    unquantized) the comparison is quantization-aware: a step that fails the float policy
+    is judged by the float steps from the same parameters (:func:`rounding_step`).
+    """
+    start, steps = train_steps(case)
+
+    @functools.cache
+    def reference() -> list[tuple[StepResult, ...]]:
+        return train_steps(case.on_one_device(), start)[1]
+
+    judge = None if float_case is None else rounding_step(case, float_case, start)
+    mode = "" if case.quant is None else f" ({case.quant})"
+    failures: list[str] = []
+
+    def attribution(step: int) -> Callable[[], tuple[StepResult, ...]] | None:
+        return None if failures else functools.partial(lambda i: reference()[i], step - 1)
+
+    for step, (first, second) in enumerate(steps, start=1):
+        what = f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}"
+        verdict = None
+        if judge is not None and compare_trees(step_tree(first), step_tree(second)):
+            verdict = judge(step - 1, (first, second))
+        message = None
+        if verdict is None or not verdict.accepted:
+            # Every step is measured, so a report shows how the error grows; the first
+            # failing step's report (with its one-device attribution) is the verdict.
+            message = step_disagreement(
+                what,
+                first,
+                second,
+                case=case,
+                reference=attribution(step),
+                figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
+                series=f"step {step}",
+            )
+        counter = int(second[0]["optimizer/step"])
+        if message is None and counter != step:
+            message = f"optimizer/step is {counter} after step {step}"
+        if message is not None:
+            failures.append(message if verdict is None else f"{message}\n  {verdict.text}")
+    if failures:
+        fail(failures[0])
+
+
+def rounding_step(
+    case: Case, float_case: Case, start: Flat
+) -> Callable[[int, tuple[StepResult, StepResult]], RoundingVerdict]:
+    """A judge of quantized train steps from ``start`` that fail the float policy.
+
+    ``judge(i, steps)`` is :func:`~conformance.core.rounding.rounding_verdict` of step
+    ``i``'s two results, from the float steps of ``float_case`` and the quantized steps
+    from ``start`` nudged by one ulp (both computed once, on the first call). Only the
+    nudge bound applies: the sides' gradient errors against float spread too much on
+    correct pairs (up to 4.8 % per leaf) to tell a side that quantizes differently (4 %
+    to 17 %); the quantized forward checks tell it.
+    """
+
+    @functools.cache
+    def floats() -> list[tuple[StepResult, ...]]:
+        return train_steps(float_case, start)[1]
+
+    @functools.cache
+    def nudged() -> list[list[tuple[StepResult, ...]]]:
+        return [train_steps(case, one_ulp_nudge(start, seed))[1] for seed in NUDGE_SEEDS]
+
+    def judge(index: int, steps: tuple[StepResult, StepResult]) -> RoundingVerdict:
+        def moved() -> tuple[list[Flat], list[Flat]]:
+            runs = [run[index] for run in nudged()]
+            return [step_tree(r[0]) for r in runs], [step_tree(r[1]) for r in runs]
+
+        quantized = (step_tree(steps[0]), step_tree(steps[1]))
+        twin = floats()[index]
+        return rounding_verdict(
+            "train steps",
+            quantized,
+            (step_tree(twin[0]), step_tree(twin[1])),
+            moved,
+            ("Linen", "NNX"),
+            (),
+        )
+
+    return judge
