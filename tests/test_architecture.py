@@ -16,6 +16,7 @@ import ast
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,19 @@ def test_a_plain_pytest_run_loads_the_plugin_and_imports_nothing_heavy(tmp_path)
 @pytest.mark.parametrize("part", sorted(ALLOWED))
 def test_every_part_named_in_the_rules_exists(part):
     assert (PACKAGE / part).is_dir() or (PACKAGE / f"{part}.py").exists()
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject lists its packages by hand: a new subpackage left out of it is missing from
+    the wheel, and only the installed run would notice."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for name, folder in config["package-dir"].items():
+        root = ROOT / folder
+        found |= {
+            ".".join((name, *init.parent.relative_to(root).parts))
+            for init in root.rglob("__init__.py")
+            if "goldens" not in init.parts
+        }
+    assert sorted(found - listed) == []
