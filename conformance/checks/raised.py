@@ -168,9 +168,9 @@ def origin(error: BaseException) -> str:
     return _where(*frames[-1]) if frames else "unknown"
 
 
-def _package_dir(family: Family) -> Path | None:
-    """The directory of the top-level package ``family``'s class is defined in."""
-    top = sys.modules.get(type(family).__module__.split(".")[0])
+def _package_dir(package: str) -> Path | None:
+    """The directory of the imported top-level ``package`` (a module's file, for one)."""
+    top = sys.modules.get(package)
     files = getattr(top, "__path__", None) or [getattr(top, "__file__", None) or ""]
     return Path(files[0]).resolve() if files[0] else None
 
@@ -182,7 +182,8 @@ def family_code(error: BaseException, family: Family) -> str | None:
     the innermost frame is there; else ``called from <family>'s own code at ...``, its
     innermost frame that is.
     """
-    home = _package_dir(family)
+    package = type(family).__module__.split(".")[0]
+    home = _package_dir(package)
     frames = list(traceback.walk_tb(error.__traceback__))
     if home is None or not frames:
         return None
@@ -193,7 +194,6 @@ def family_code(error: BaseException, family: Family) -> str | None:
     ]
     if not own:
         return None
-    package = type(family).__module__.split(".")[0]
     if own[-1] == frames[-1]:
         return f"raised in {family.name}'s own code ({package}), not the harness's"
     return f"called from {family.name}'s own code ({package}) at {_where(*own[-1])}"

@@ -140,10 +140,9 @@ def agreement_matrix(
     named in a line under it: their parity tests a bridge around one model, not two
     implementations.
     """
-    header, *by_family = matrix_rows(results)
-    families = [row[0] for row in by_family]
-    rows = [["check", *families]]
-    rows += [[check, *(row[i] for row in by_family)] for i, check in enumerate(header[1:], 1)]
+    rows = [list(column) for column in zip(*matrix_rows(results), strict=True)]
+    rows[0][0] = "check"
+    families = rows[0][1:]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     sides = [f"{f} ({', '.join(bridged[f])})" for f in families if (bridged or {}).get(f)]

@@ -50,9 +50,6 @@ class Group(NamedTuple):
         return (self.family, self.scan_layers) == (other.family, other.scan_layers)
 
 
-"""``(family, scan_layers, mesh id)``: tests that can share compiled programs."""
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Planned:
     """One test of a check on a family, as collected: its id, axis values and parameters."""

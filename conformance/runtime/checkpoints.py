@@ -139,8 +139,7 @@ def read_info(directory: Path) -> CheckpointInfo:
         record = json.loads(path.read_text())
         if record.pop("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: unsupported format, expected {FORMAT_VERSION}")
-        info = CheckpointInfo(**record)
-        info = dataclasses.replace(info, backend=Backend(info.backend))
+        info = CheckpointInfo(**{**record, "backend": Backend(record["backend"])})
     except FileNotFoundError:
         raise CheckpointError(
             f"{directory} has no {INFO_FILE}: not a conformance checkpoint"
