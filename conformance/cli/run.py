@@ -28,10 +28,35 @@ from conformance.pytest_plugin.options import expand
 def emulation_parser() -> argparse.ArgumentParser:
     """The options of an emulated multi-host run; everything else goes to every process."""
     parser = argparse.ArgumentParser(prog="python -m conformance", add_help=False)
-    parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--devices-per-process", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--logs", type=Path, default=None)
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the suite as N local processes joined by jax.distributed (default: 1)",
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=4,
+        metavar="M",
+        help="CPU devices each emulated process has (default: 4)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="stop every emulated process after this long, exit 124 (default: 3600)",
+    )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where each emulated process writes process-<i>.log and the shared "
+        "checkpoint directory (default: a new temporary directory, printed first)",
+    )
     return parser
 
 

@@ -133,8 +133,20 @@ OPTIONS: tuple[Option, ...] = (
         "--conformance-num-processes and --conformance-process-id)",
         metavar="HOST:PORT",
     ),
-    Option("num-processes", type=int, metavar="N", selects=False),
-    Option("process-id", type=int, metavar="I", selects=False),
+    Option(
+        "num-processes",
+        "how many processes the run has (with --conformance-coordinator)",
+        type=int,
+        metavar="N",
+        selects=False,
+    ),
+    Option(
+        "process-id",
+        "this process's index, 0 to N-1 (with --conformance-coordinator)",
+        type=int,
+        metavar="I",
+        selects=False,
+    ),
     Option(
         "connect-timeout",
         "how long a process waits for the coordinator and the others (default: 300)",
@@ -156,7 +168,7 @@ INI = (
     ("conformance_goldens", "directory of golden files", None, "goldens"),
     (
         "conformance_builtin_families",
-        "run the families this package ships (gpt3, llama, maxtext-*) when no "
+        "run the families this package ships (gpt3, llama, moe, maxtext-*) when no "
         "--conformance-family is given",
         "bool",
         True,
