@@ -12,15 +12,15 @@ MAXTEXT_VENV := .venv-maxtext-$(MAXTEXT)
 MAXTEXT_STAMP := $(MAXTEXT_VENV)/.installed
 MAXTEXT_CONSTRAINTS := constraints-maxtext-$(MAXTEXT).txt
 
-## TIER chooses how much of the suite runs: smoke, default or full (see README "Tiers").
+## TIER chooses how much of the suite runs: smoke, default or full (see docs/tiers.md).
 TIER ?= default
 BUILTIN := --family gpt3 --family llama --family moe
 ## REPORT=DIR writes report.json, report.md, report.html and junit.xml there, merged over
-## every process that writes to DIR (see README "Reports").
+## every process that writes to DIR (see docs/reports.md).
 REPORT ?=
 REPORT_ARG := $(if $(REPORT),--report=$(abspath $(REPORT)))
 ## CACHE=DIR turns jax's persistent compilation cache on, in DIR, for every run below:
-## a program compiled once is read back by later runs (see README "The persistent
+## a program compiled once is read back by later runs (see docs/development.md, "The persistent
 ## compilation cache is opt-in" for why it is off by default).
 CACHE ?=
 ifneq ($(CACHE),)
@@ -29,7 +29,7 @@ export JAX_ENABLE_COMPILATION_CACHE := true
 endif
 
 .PHONY: setup setup-maxtext setup-tpu parity test test-maxtext test-tpu test-wheel upgrade-report \
-	multihost lint goldens goldens-maxtext goldens-tpu benchmark clean
+	multihost lint docs goldens goldens-maxtext goldens-tpu benchmark clean
 
 setup: $(STAMP)
 
@@ -54,7 +54,7 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 TPU_RUN := JAX_PLATFORMS=cpu $(TPU_VENV)/bin/python
-## TPU: the slices `make test-tpu` compiles for (see README "TPU slices without a TPU").
+## TPU: the slices `make test-tpu` compiles for (see docs/tpu.md).
 TPU ?= default
 
 setup-tpu: $(TPU_STAMP)
@@ -91,7 +91,7 @@ test: $(STAMP)
 	exit $$status
 
 ## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU
-## devices each, joined by jax.distributed (see README "Running on a multi-host TPU slice").
+## devices each, joined by jax.distributed (see docs/multihost.md).
 multihost: $(STAMP)
 	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
 	  --tier smoke $(REPORT_ARG) $(ARGS)
@@ -134,6 +134,18 @@ upgrade-report: $(MAXTEXT_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+## The docs site: Sphinx with MyST, into docs/_build/html, every warning an error. Its
+## checks and options tables are written from the check registry and the option table.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP) constraints-docs.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -c constraints-docs.txt -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build --quiet --fail-on-warning --keep-going --builder html docs docs/_build/html
+	@echo "docs: $(abspath docs/_build/html/index.html)"
 
 ## Regenerate goldens for the selected tests only (ARGS narrows, e.g. ARGS='--family gpt3').
 ## Only golden tests run (-m golden), at the full tier, so every golden the suite claims is written.

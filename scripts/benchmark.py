@@ -41,7 +41,7 @@ SUMMARY = re.compile(
 RUNS = ("ci", "cold", "warm")
 BUDGET = {"smoke": 180.0, "default": 420.0}
 """Seconds each tier's parity run may take on a fresh clone, cache off, on the faster of
-CI's 2-core machine kinds (README, "Speed"); CI per change has 30 minutes in all."""
+CI's 2-core machine kinds (docs/speed.md); CI per change has 30 minutes in all."""
 
 
 def run_suite(
@@ -98,7 +98,7 @@ def totals(junit: Path, key: str) -> dict[str, tuple[int, float, int, float]]:
 def budget(families: list[str], scale: float, pytest_args: list[str]) -> int:
     """Run each tier of :data:`BUDGET` as ``make parity`` does; print it against its budget.
 
-    ``scale`` multiplies the budgets, for a slower machine (2.39 on the README's **B**).
+    ``scale`` multiplies the budgets, for a slower machine (2.39 on **B** of docs/speed.md).
     Returns 1 when a run did not pass (its time then says nothing), else 0.
     """
     workers = min(len(os.sched_getaffinity(0)), 4)  # as `nproc`, which make parity uses

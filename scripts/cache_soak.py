@@ -11,7 +11,7 @@ process killed by a signal).
 Prints one line per run: exit status, wall and CPU seconds, tests, verdicts that differ
 from the reference and crashes; writes the same as ``soak.json``, and each run's log and
 reports, under ``--out``. The cache is safe for CI only after ``--runs 20`` shows no crash
-and no differing verdict (README, "The persistent compilation cache is opt-in").
+and no differing verdict (docs/development.md, "The persistent compilation cache is opt-in").
 
 This is a soak, not a test: its exit status is 1 when any run crashed or a verdict
 differed, else 0. It takes about as long as ``--runs + 1`` CI runs, one at a time.

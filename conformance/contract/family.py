@@ -172,7 +172,7 @@ class Family(abc.ABC):
       (Linen collection ``intermediates``; NNX ``nnx.Intermediate``). The harness records
       every module call itself and names the first whose inputs agree and whose output
       diverges; the sown states only name the block when that recording stops at a Linen
-      ``nn.scan`` (README, "Localisation").
+      ``nn.scan`` (docs/checks.md, "Localisation").
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
       NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
     * With ``Capabilities(decode=True)`` and ``decode_style="prefill"`` (the default),

@@ -35,7 +35,7 @@ POLICY: Mapping[str, Tolerance] = {
     "bfloat16": Tolerance(1e-5, 1.6e-2),
     "float16": Tolerance(1e-5, 1e-3),
 }
-"""The tolerance policy (README, "Tolerances"), by dtype name; integer and bool dtypes
+"""The tolerance policy (docs/tolerances.md), by dtype name; integer and bool dtypes
 compare exactly."""
 
 
@@ -128,11 +128,11 @@ def compare_arrays(
     ``tolerance`` defaults to the policy for the two dtypes. With ``reference`` (a more
     precise result of the same computation), an element outside tolerance is still
     accepted when the second side is no farther from the reference than the first one:
-    the policy's tie-break for low-precision dtypes (README, "Tolerances"). With
+    the policy's tie-break for low-precision dtypes (docs/tolerances.md). With
     ``spread`` (the second side's result computed again in another order, such as
     partitioned), an element outside tolerance is accepted when the sides differ there
     by at most the tolerance plus ``|second - spread|``: by no more than the second side
-    differs from itself (README, "Tolerances").
+    differs from itself (docs/tolerances.md).
     """
     a, b = host_array(first), host_array(second)
     tol = tolerance or tolerance_for(a.dtype, b.dtype)

@@ -1,0 +1,132 @@
+"""Write the checks and options tables from the registry and the option table.
+
+Sphinx calls :func:`setup`; on ``builder-inited`` the tables are written to
+``_generated/`` and the pages include them, so they cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from conformance.checks.registry import CHECKS, Check
+from conformance.cli.run import emulation_parser
+from conformance.pytest_plugin.options import INI, OPTIONS
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def _cell(text: str) -> str:
+    """``text`` fit for one cell of a Markdown table: one line, roles as code, no pipes."""
+    text = _ROLE.sub(lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text)
+    text = text.replace("``", "`").replace("<", "&lt;").replace("*", "\\*")
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _summary(check: Check) -> str:
+    """The first sentence of the check function's docstring."""
+    doc = inspect.getdoc(check.run) or ""
+    return _cell(doc.split("\n\n", 1)[0])
+
+
+def _over(check: Check) -> str:
+    axes = [axis for axis in check.axes if axis != "family"]
+    axes += [name for name, _ in check.params]
+    return ", ".join(f"`{axis}`" for axis in axes) or "family"
+
+
+def _needs(check: Check) -> str:
+    needs = []
+    if check.capability:
+        needs.append(f"`Capabilities.{check.capability}`")
+    if len(set(check.layouts)) == 2:
+        needs.append("both layouts")
+    if check.quant_method:
+        needs.append(f"a Qwix `{check.quant_method}` mode")
+    if check.pair:
+        needs.append("a live Linen side")
+    if check.references:
+        needs.append("a recorded reference")
+    return ", ".join(needs)
+
+
+def _golden(check: Check) -> str:
+    if check.golden_by_platform:
+        return "per platform and XLA level"
+    return "yes" if check.golden else ""
+
+
+def checks_table() -> str:
+    """Every registered check, by area: what it asserts, its axes, what it needs, goldens."""
+    rows = ["| check | area | asserts | over | needs | golden |", "|---|---|---|---|---|---|"]
+    for check in sorted(CHECKS.values(), key=lambda c: (c.area, c.name)):
+        rows.append(
+            f"| `{check.name}` | {check.area} | {_summary(check)} | {_over(check)} "
+            f"| {_needs(check)} | {_golden(check)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _default(value: object) -> str:
+    if value in (None, [], False):
+        return ""
+    return f"`{value}`"
+
+
+def options_table() -> str:
+    """Every plugin option: its pytest flag, its short form, its default and its help."""
+    rows = [
+        "| pytest | `python -m conformance` | value | default | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for option in OPTIONS:
+        value = option.metavar or ("|".join(option.choices) if option.choices else "")
+        rows.append(
+            f"| `{option.flag}` | `{option.short}` | {_cell(value)} | {_default(option.default)} "
+            f"| {_cell(option.help or '')} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def ini_table() -> str:
+    """Every ini option of the plugin, with its default."""
+    rows = ["| ini option | default | what it does |", "|---|---|---|"]
+    for name, help_, _, default in INI:
+        rows.append(f"| `{name}` | `{default}` | {_cell(help_)} |")
+    return "\n".join(rows) + "\n"
+
+
+def emulation_table() -> str:
+    """The options of ``python -m conformance`` that emulate a multi-host run."""
+    rows = ["| option | value | what it does |", "|---|---|---|"]
+    for action in emulation_parser()._actions:
+        flag = action.option_strings[0]
+        rows.append(f"| `{flag}` | {action.metavar or ''} | {_cell(action.help or '')} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLES = {
+    "checks.md": checks_table,
+    "options.md": options_table,
+    "ini.md": ini_table,
+    "emulation.md": emulation_table,
+}
+"""Each generated file of ``_generated/`` and the function that writes it."""
+
+
+def write(directory: Path) -> None:
+    """Write every table of :data:`TABLES` into ``directory``."""
+    directory.mkdir(exist_ok=True)
+    for name, table in TABLES.items():
+        (directory / name).write_text(table())
+
+
+def _builder_inited(app) -> None:
+    write(Path(app.srcdir) / "_generated")
+
+
+def setup(app) -> dict[str, object]:
+    """Register the table writer with Sphinx."""
+    app.connect("builder-inited", _builder_inited)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
