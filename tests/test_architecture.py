@@ -33,7 +33,7 @@ ALLOWED = {
     "report": {"core"},
     "pytest_plugin": {"contract", "core", "runtime", "checks", "report"},
     "cli": {"contract", "core", "runtime", "report", "pytest_plugin"},
-    "suite": set(),
+    "suite": {"checks"},
     "families": {"contract"},
     "__init__": set(),
     "__main__": {"cli"},

@@ -115,6 +115,9 @@ class Check:
     """Why a family cannot run this check beyond its capabilities (a skip reason)."""
     given: tuple[str, ...] = ()
     """Axes whose values the check is also given, as keyword arguments of those names."""
+    suite: str = ""
+    """The suite module its test is collected from, ``conformance.suite.test_<suite>``;
+    default: its area's (see :attr:`suite_module`)."""
 
     def __call__(self, case: Case, **params: Any) -> Any:
         """Run the check on ``case``; its failures are headed ``<family> <check>:``.
@@ -143,6 +146,15 @@ class Check:
         ``user`` for a user's own test.
         """
         return "user" if self.run is None else self.run.__module__.rsplit(".", 1)[-1]
+
+    @property
+    def suite_module(self) -> str:
+        """The name of the suite module its test is collected from (``test_decode``)."""
+        return "test_" + (self.suite or _AREA_SUITES.get(self.area, self.area))
+
+
+_AREA_SUITES = {"training": "train_step", "invariance": "sharding_invariance"}
+"""The suite module of an area whose name differs from its module of checks."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +363,7 @@ CHECKS: dict[str, Check] = {
         # forward
         Check("forward", forward.check_forward, (*_ON_MESH, "dtype")),
         # structure
-        Check("init", structure.check_init, _ON_MESH),
+        Check("init", structure.check_init, _ON_MESH, suite="init"),
         Check(
             "structure",
             structure.check_structure,
@@ -370,7 +382,14 @@ CHECKS: dict[str, Check] = {
             pair=False,
             requires=_declares_bridges,
         ),
-        Check("sharding", structure.check_sharding, _ON_MESH, golden=True, pair=False),
+        Check(
+            "sharding",
+            structure.check_sharding,
+            _ON_MESH,
+            golden=True,
+            pair=False,
+            suite="sharding",
+        ),
         Check(
             "sharding_topology",
             structure.check_sharding,
@@ -379,6 +398,7 @@ CHECKS: dict[str, Check] = {
             devices=False,
             golden=True,
             pair=False,
+            suite="sharding",
         ),
         # quantization
         Check(
@@ -469,13 +489,6 @@ CHECKS: dict[str, Check] = {
         ),
         Check("hygiene", training.check_hygiene, _ON_MESH),
         Check(
-            "resume_conversion",
-            training.check_resume_conversion,
-            ("family",),
-            where="primary",
-            workdir=True,
-        ),
-        Check(
             "resume",
             training.check_resume,
             ("family",),
@@ -483,6 +496,13 @@ CHECKS: dict[str, Check] = {
             where="primary",
             workdir=True,
             pair=False,
+        ),
+        Check(
+            "resume_conversion",
+            training.check_resume_conversion,
+            ("family",),
+            where="primary",
+            workdir=True,
         ),
         Check(
             "optimizer_sharding",
@@ -499,12 +519,6 @@ CHECKS: dict[str, Check] = {
             capability="dropout",
         ),
         Check(
-            "aux_losses",
-            training.check_aux_losses,
-            _ON_MESH,
-            capability="aux_losses",
-        ),
-        Check(
             "vocab_tiling",
             training.check_vocab_tiling,
             _ON_MESH,
@@ -516,6 +530,12 @@ CHECKS: dict[str, Check] = {
             ("family", "scan_layers"),
             where="primary",
             capability="fp8",
+        ),
+        Check(
+            "aux_losses",
+            training.check_aux_losses,
+            _ON_MESH,
+            capability="aux_losses",
         ),
     )
 }

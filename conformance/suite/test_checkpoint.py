@@ -1,9 +1,5 @@
 """Checkpoints: orbax round trips (same mesh and resharded) and Linen <-> NNX conversion."""
 
+from conformance.suite import check_tests
 
-def test_checkpoint_roundtrip(conformance_case):
-    conformance_case.run()
-
-
-def test_checkpoint_conversion(conformance_case):
-    conformance_case.run()
+globals().update(check_tests(__name__))

@@ -1,13 +1,5 @@
 """Prefill and decode: the KV cache's layout, self-consistency per backend, Linen/NNX parity."""
 
+from conformance.suite import check_tests
 
-def test_decode_cache(conformance_case):
-    conformance_case.run()
-
-
-def test_decode_consistency(conformance_case):
-    conformance_case.run()
-
-
-def test_decode(conformance_case):
-    conformance_case.run()
+globals().update(check_tests(__name__))

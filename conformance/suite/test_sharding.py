@@ -5,10 +5,6 @@ are placed; ``test_sharding_topology`` evaluates full-size configs on abstract p
 meshes, without devices or parameter memory.
 """
 
+from conformance.suite import check_tests
 
-def test_sharding(conformance_case):
-    conformance_case.run()
-
-
-def test_sharding_topology(conformance_case):
-    conformance_case.run()
+globals().update(check_tests(__name__))
