@@ -21,7 +21,8 @@ from conformance.runtime.checkpoints import (
     restore,
     save,
 )
-from conformance.runtime.training import flat_state, linen_trainer
+from conformance.runtime.train_state import flat_state
+from conformance.runtime.training import linen_trainer
 
 INFO = CheckpointInfo("llama", "tiny", "linen", False)
 

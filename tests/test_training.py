@@ -10,13 +10,9 @@ from flax import nnx
 
 from conformance import families
 from conformance.core.sharding import parse_mesh
-from conformance.runtime.training import (
-    flat_state,
-    linen_trainer,
-    nnx_trainer,
-    step_streams,
-    target_weights,
-)
+from conformance.runtime.objective import target_weights
+from conformance.runtime.train_state import flat_state, step_streams
+from conformance.runtime.training import linen_trainer, nnx_trainer
 from conformance_models.llama.family import LlamaFamily
 from tests.faults.training import MoeLossWeightedOff, StrayCounterBesideRngs
 from tests.suite_run import run_check

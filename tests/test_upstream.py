@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
     jax.default_backend() == "cpu",
     strict=True,
     reason="XLA SPMD on CPU (jaxlib 0.12.0.1): the gradient of a gather over a slice of a "
-    "batch sharded over ('data', 'fsdp') is wrong; conformance.runtime.training.accumulate "
+    "batch sharded over ('data', 'fsdp') is wrong; conformance.runtime.objective.accumulate "
     "constrains micro-batches to a replicated sharding to avoid it",
 )
 def test_gather_gradient_over_sliced_sharded_batch():

@@ -21,7 +21,7 @@ from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import step_batch
+from conformance.runtime.generation import step_batch
 from conformance.runtime.stepping import Training
 
 

@@ -1,7 +1,7 @@
 """Prefill and decode checks: the KV cache's layout, self-consistency and Linen/NNX parity.
 
 Both backends serve the same parameters (Linen's, transplanted to NNX) through the same
-loop (:func:`conformance.runtime.decoding.generate`): right-padded prompts of different lengths,
+loop (:func:`conformance.runtime.generation.generate`): right-padded prompts of different lengths,
 then :data:`DECODE_STEPS` greedy tokens. A backend is self-consistent when its prefill
 logits and every decode step's logits equal its own full-sequence forward on the prompt
 plus the tokens it generated; the backends agree when their logits agree at prefill and
@@ -30,7 +30,8 @@ from conformance.core.scope import scoped
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import DecodeError, Generation, prompt_only
+from conformance.runtime.decoding import DecodeError
+from conformance.runtime.generation import Generation, prompt_only
 from conformance.runtime.sides import Decoder, Side, live_pair
 
 DECODE_STEPS = 8

@@ -37,12 +37,12 @@ from conformance.core.records import emit_verdict
 from conformance.core.trees import Flat, mirrored_param, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
-from conformance.runtime.decoding import prompt_only
+from conformance.runtime.generation import prompt_only
 from conformance.runtime.recorded import RECORD_COMMAND, MissingReference, RecordedSide, load
 from conformance.runtime.recording import DTYPES
 from conformance.runtime.sides import SIDES, Side
 from conformance.runtime.stepping import StepResult, Training
-from conformance.runtime.training import flat_state
+from conformance.runtime.train_state import flat_state
 
 
 def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Side, RecordedSide]:

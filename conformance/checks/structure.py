@@ -32,7 +32,7 @@ def check_structure(case: Case) -> dict[str, Any]:
 
     Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
     NNX model's RNG stream variables, which have no Linen counterpart and which train
-    states leave out (see :mod:`conformance.runtime.training`).
+    states leave out (see :mod:`conformance.runtime.train_state`).
     """
     *others, nnx_ = (side.runner for side in live_sides(case))
     for linen in others:

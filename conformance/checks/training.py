@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -17,18 +16,16 @@ import numpy as np
 from flax import nnx
 
 from conformance.checks.kernel import (
+    DROPOUT_RATE,
     misplaced,
     param_map,
-    rerun_note,
-    step_disagreement,
-    step_tree,
     steps_agree,
     train_pair,
     train_step_parity,
 )
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
-from conformance.core.numerics import EXACT, compare_arrays, compare_trees, tolerance_for
+from conformance.core.numerics import compare_arrays, compare_trees, tolerance_for
 from conformance.core.records import failed
 from conformance.core.sharding import indivisible, spec_to_json
 from conformance.core.trees import (
@@ -42,16 +39,10 @@ from conformance.core.trees import (
     variable_kind,
 )
 from conformance.runtime.case import Case
-from conformance.runtime.checkpoints import (
-    CheckpointError,
-    CheckpointInfo,
-    convert,
-    restore,
-    save,
-)
-from conformance.runtime.sides import SIDES, LinenSide, Side, live_pair
+from conformance.runtime.objective import aux_total, mean_token_loss
+from conformance.runtime.sides import LinenSide, Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
-from conformance.runtime.training import aux_total, flat_state, mean_token_loss
+from conformance.runtime.train_state import flat_state
 
 MICRO_BATCHES = 4
 """Micro-batches the accumulation check splits a batch into."""
@@ -59,14 +50,8 @@ MICRO_BATCHES = 4
 VOCAB_TILES = 4
 """Slices the tiled loss cuts the batch's positions into."""
 
-DROPOUT_RATE = 0.1
-"""Dropout rate :func:`check_dropout` asks the family's :meth:`~Family.variant` for."""
-
 PERSISTENT = (nnx.Param, nnx.OptState)
 """Variable types allowed in an NNX train state (optimizer variables subclass OptState)."""
-
-RESUME_STEPS = 2
-"""Steps :func:`check_resume` takes before its save, and again after its restore."""
 
 LAYOUT_VARIANTS = ("remat", "scan_layers")
 """Variants :func:`check_layout` compares with the plain layout."""
@@ -376,96 +361,6 @@ def _dropout_losses(side: Side, params: Flat, batch: Any) -> list[float]:
         state, metrics = training.step(state, batch)
         losses.append(float(metrics["loss"]))
     return losses
-
-
-def check_resume(case: Case, backend: str, workdir: Path) -> None:
-    """Twice :data:`RESUME_STEPS` steps straight equal a resumed run, exactly.
-
-    The resumed run takes :data:`RESUME_STEPS` steps, saves its state with orbax,
-    restores it strictly (byte for byte what was saved) into a fresh train state and
-    takes as many more. On
-    ``backend``, with dropout on when the family has it, every step after the restore
-    must give the straight run's loss and gradients bit for bit, and the final state
-    (parameters, Adam moments, optax counts, the step counter every dropout key derives
-    from) must be byte-identical: a restore that resets the optimizer state or the step
-    counter (the schedule and the RNG streams restart) is caught.
-    """
-    if case.family.capabilities.dropout:
-        case = case.with_config(case.family.variant(case.config, dropout=DROPOUT_RATE))
-    side, batch = SIDES[backend](case), case.batch()
-    straight = Training.start(side)
-    expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]
-    first = Training.start(side)
-    for _ in range(RESUME_STEPS):
-        first.advance(batch)
-    saved = flat_state(first.state)
-    directory = Path(workdir) / "resume"
-    save(directory, saved, CheckpointInfo(case.family.name, case.size, backend, case.scan_layers))
-    resumed = Training.start(side)
-    try:
-        restored = restore(directory, specs(saved), {p: v.sharding for p, v in saved.items()})
-    except CheckpointError as err:
-        fail(str(err))
-    if mismatches := compare_trees(saved, restored, EXACT):
-        title = f"{side.name} state restored from the checkpoint of step {RESUME_STEPS}"
-        fail(failed(title, mismatches, ("saved", "restored")))
-    resumed.state = jax.device_put(resumed.trainer.tree(restored), resumed.shardings)
-    total = 2 * RESUME_STEPS
-    for step, want in enumerate(expected, start=RESUME_STEPS + 1):
-        mismatches = compare_trees(step_tree(want), step_tree(resumed.advance(batch)), EXACT)
-        if mismatches:
-            title = (
-                f"{side.name} step {step} of {total} on mesh {case.mesh.id}, resumed from a "
-                f"checkpoint of step {RESUME_STEPS}, against the same step run straight"
-            )
-            fail(failed(title, mismatches, ("straight", "resumed")) + rerun_note())
-
-
-def check_resume_conversion(case: Case, workdir: Path) -> None:
-    """Linen's steps, saved, converted to NNX and continued there, equal Linen's straight.
-
-    Linen takes :data:`RESUME_STEPS` steps and saves its state; the checkpoint is
-    restored, converted to NNX (:func:`~conformance.runtime.checkpoints.convert`) and
-    placed into a fresh NNX train state (every leaf, no more), which takes as many more
-    steps. Each of those equals the same step of Linen run straight, within the
-    tolerance policy: the migration's own path from a Linen run to an NNX one.
-    """
-    linen, nnx_ = live_pair(case)
-    batch, family = case.batch(), case.family
-    straight = Training.start(linen)
-    expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]
-    first = Training.start(linen, straight.initial)
-    for _ in range(RESUME_STEPS):
-        first.advance(batch)
-    saved = flat_state(first.state)
-    info = CheckpointInfo(family.name, case.size, linen.backend, case.scan_layers)
-    directory = Path(workdir) / "linen"
-    save(directory, saved, info)
-    try:
-        loaded = restore(directory, specs(saved))
-        converted, _ = convert(loaded, family, info, nnx_.backend, case.scan_layers)
-    except CheckpointError as err:
-        fail(str(err))
-    resumed = Training.start(nnx_, nnx_.own(linen.canonical(straight.initial)))
-    layout = specs(flat_state(resumed.state))
-    problems = [
-        f"{p}: converted, but not in NNX's state" for p in sorted(set(converted) - set(layout))
-    ]
-    problems += [
-        f"{p}: in NNX's state, not converted" for p in sorted(set(layout) - set(converted))
-    ]
-    fail_if_any(f"Linen's checkpoint of step {RESUME_STEPS} does not fit NNX", problems)
-    resumed.state = jax.device_put(resumed.trainer.tree(converted), resumed.shardings)
-    total = 2 * RESUME_STEPS
-    names = ("Linen straight", "NNX resumed")
-    for step, want in enumerate(expected, start=RESUME_STEPS + 1):
-        title = (
-            f"step {step} of {total} on mesh {case.mesh.id}: NNX resumed from Linen's "
-            f"checkpoint of step {RESUME_STEPS}, against Linen run straight"
-        )
-        message = step_disagreement(title, want, resumed.advance(batch), names)
-        if message is not None:
-            fail(message)
 
 
 def check_aux_losses(case: Case) -> None:

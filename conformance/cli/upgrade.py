@@ -131,7 +131,7 @@ def checkpoint_changes(family: Any, backend: str, references: Path) -> dict[str,
     from conformance.runtime.recorded import load
     from conformance.runtime.recording import reference_case
     from conformance.runtime.sides import SIDES
-    from conformance.runtime.training import flat_state
+    from conformance.runtime.train_state import flat_state
 
     reference = load(family, backend, references)
     side = SIDES[backend](reference_case(family))

@@ -11,20 +11,20 @@ from conformance.contract.discovery import (
     registry,
     select,
 )
-from conformance.contract.family import (
+from conformance.contract.family import Family
+from conformance.contract.validate import problems, validate
+from conformance.contract.values import (
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
     Backend,
     Batch,
     Capabilities,
-    Family,
     FamilyError,
     LogicalRules,
     PathRules,
     QuantScope,
 )
-from conformance.contract.validate import problems, validate
 
 __all__ = [
     "DISTRIBUTION",

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
-from conformance.contract.family import Family, FamilyError
+from conformance.contract.family import Family
 from conformance.contract.validate import validate
+from conformance.contract.values import FamilyError
 
 ENTRY_POINT_GROUP = "conformance.families"
 

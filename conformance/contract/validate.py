@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conformance.contract.family import (
+from conformance.contract.family import Family
+from conformance.contract.values import (
     BACKENDS,
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
-    Family,
     FamilyError,
 )
 

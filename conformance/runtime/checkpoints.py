@@ -26,7 +26,7 @@ from orbax.checkpoint import type_handlers
 from orbax.checkpoint._src.metadata.array_metadata_store import Store
 
 from conformance.contract import Backend, Family
-from conformance.contract.family import BACKENDS
+from conformance.contract.values import BACKENDS
 from conformance.core import distributed
 from conformance.core.distributed import host_array
 from conformance.core.seams import seam
@@ -41,7 +41,8 @@ from conformance.core.trees import (
 )
 from conformance.core.trees import restack as trees_restack
 from conformance.runtime.backends import linen_runner, path_map, persistent_collections
-from conformance.runtime.training import TRAINERS, flat_state
+from conformance.runtime.train_state import flat_state
+from conformance.runtime.training import TRAINERS
 
 FORMAT_VERSION = 1
 INFO_FILE = "conformance.json"

@@ -39,15 +39,8 @@ from conformance.runtime.backends import (
     transplant,
 )
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import (
-    Generation,
-    LinenDecoder,
-    NnxDecoder,
-    generate,
-    linen_decoder,
-    nnx_decoder,
-    prompt_batch,
-)
+from conformance.runtime.decoding import LinenDecoder, NnxDecoder, linen_decoder, nnx_decoder
+from conformance.runtime.generation import Generation, generate, prompt_batch
 from conformance.runtime.training import LinenTrainer, NnxTrainer, linen_trainer, nnx_trainer
 
 Runner = LinenRunner | NnxRunner
@@ -148,7 +141,7 @@ class Side(abc.ABC):
         """``params`` (own paths, on the devices) served greedily through the KV cache.
 
         ``rows`` prompts of different lengths from the family's batch
-        (:func:`~conformance.runtime.decoding.prompt_batch`), a prefill, then ``steps``
+        (:func:`~conformance.runtime.generation.prompt_batch`), a prefill, then ``steps``
         decode steps, every call sharded on the case's mesh.
         """
         case = self.case

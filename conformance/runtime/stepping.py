@@ -16,7 +16,7 @@ import jax
 from conformance.core.trees import Flat
 from conformance.runtime.backends import transplant
 from conformance.runtime.sides import Side, Trainer
-from conformance.runtime.training import flat_state
+from conformance.runtime.train_state import flat_state
 
 StepResult = tuple[Flat, Any, Flat]
 """One step's ``(state, loss, grads)``, keyed by canonical paths."""

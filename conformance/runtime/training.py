@@ -1,39 +1,27 @@
-"""Train states and jitted, sharded train steps for both backends.
+"""Jitted, sharded train steps for both backends: one trainer per backend.
 
-Both sides keep a persistent train state with the same canonical paths:
-``model/<param path>``, ``optimizer/opt_state/<optax path>/<param path>`` and
-``optimizer/step``. A step maps ``(state, batch)`` to ``(next state, metrics)`` with
-metrics ``loss`` and per-leaf ``grads``, jitted with explicit in and out shardings.
-
-The loss is cross entropy against the batch's targets where they are real (by segment
-id, for what the family's logits predict; no token value is taken for padding),
-optimised with AdamW under a warmup-cosine schedule after global-norm clipping. With
-``micro_batches > 1`` the batch is split along its first axis, and summed losses, token
-counts and gradients are accumulated before one update, so the result equals a step on
-the whole batch. With ``vocab_tiles > 1`` the family's
+A step maps ``(state, batch)`` to ``(next state, metrics)`` with metrics ``loss`` and
+per-leaf ``grads``, jitted with explicit in and out shardings. Both backends step the
+train state of :mod:`conformance.runtime.train_state` (the same canonical leaves, RNG
+streams left out and drawn from the step counter) towards the objective of
+:mod:`conformance.runtime.objective` (the loss, its auxiliary terms, micro-batches). With
+``vocab_tiles > 1`` the family's
 :meth:`~conformance.contract.Family.vocab_tiling_config` computes the loss inside the
-model, and the step differentiates its mean.
-
-NNX models keep their RNG streams (``nnx.RngState``: a key and a counter per stream) as
-variables; Linen takes them per call. The NNX train state leaves them out, so both train
-states hold the same leaves: each step draws fresh streams from its step counter, as the
-Linen step folds the step into a key per stream of ``Family.train_rngs``, and a
-checkpoint holds no RNG streams on either side. :func:`conformance.checks.structure.check_structure`
-lists the streams it set aside.
+model. :func:`conformance.checks.structure.check_structure` lists the RNG streams the NNX
+state sets aside.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax.nnx import variablelib
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from conformance.contract import Backend, Batch, Family
 from conformance.core.scope import scoped
@@ -54,105 +42,25 @@ from conformance.runtime.backends import (
     nnx_runner,
     persistent_collections,
 )
-
-STREAMS_SEED = 0
-"""Seed of the RNG streams a train step draws (folded with the step counter)."""
-
-LossFn = Callable[[jax.Array, Batch], tuple[jax.Array, jax.Array]]
-GradFn = Callable[[Batch], tuple[tuple[jax.Array, jax.Array], Any]]
-
-
-def make_optimizer() -> optax.GradientTransformation:
-    """AdamW, warmup-cosine learning rate, global-norm clipping: the same on both sides."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=1e-4, peak_value=1e-3, warmup_steps=2, decay_steps=10
-    )
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-
-
-def target_weights(batch: Batch, predicts: str = "next") -> jax.Array:
-    """1.0 where a target is real, else 0.0.
-
-    A target is real when the token the logits predict is: for ``predicts="next"``
-    (:attr:`~conformance.contract.Family.logits_predict`) the position and the next are
-    real tokens; for ``"current"`` the position is.
-    """
-    real = batch.segment_ids != 0
-    if predicts == "current":
-        return real.astype(jnp.float32)
-    follows = jnp.zeros_like(real).at[:, :-1].set(real[:, 1:])
-    return (real & follows).astype(jnp.float32)
-
-
-def masked_token_loss(
-    logits: jax.Array, batch: Batch, predicts: str = "next"
-) -> tuple[jax.Array, jax.Array]:
-    """Summed cross entropy against the batch's targets where they are real, and how many were.
-
-    ``predicts`` is the family's :attr:`~conformance.contract.Family.logits_predict`.
-    """
-    weights = target_weights(batch, predicts)
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch.targets
-    )
-    return jnp.sum(losses * weights), jnp.sum(weights)
-
-
-@functools.partial(jax.jit, static_argnames="predicts")
-def mean_token_loss(logits: jax.Array, batch: Batch, predicts: str = "next") -> jax.Array:
-    """:func:`masked_token_loss`'s mean over the real targets, as one compiled program.
-
-    For checks that compute a loss outside a train step: run op by op on sharded logits,
-    the loss would compile a program per operation, again in every scope.
-    """
-    loss_sum, count = masked_token_loss(logits, batch, predicts)
-    return loss_sum / count
-
-
-def loss_inputs(batch: Batch, predicts: str = "next") -> dict[str, jax.Array]:
-    """The keywords a vocab-tiled module computes its own loss from."""
-    return {"targets": batch.targets, "target_weights": target_weights(batch, predicts)}
-
-
-def model_loss(
-    loss_sum: jax.Array, batch: Batch, predicts: str = "next"
-) -> tuple[jax.Array, jax.Array]:
-    """A vocab-tiled module's own summed loss, and how many targets were real."""
-    return loss_sum.astype(jnp.float32), jnp.sum(target_weights(batch, predicts))
-
-
-OverwriteWithGradient = variablelib.variable_type_from_name(OVERWRITE, allow_register=True)
-"""The NNX Variable type of :data:`OVERWRITE` (what ``nnx.bridge`` makes of the collection)."""
-
-
-def _objective(loss: LossFn, tiled: bool, overwrite: bool, predicts: str) -> LossFn:
-    """What a step differentiates: ``loss`` summed with its count, or a mean counted as 1.
-
-    A vocab-tiled model computes its loss itself (:func:`model_loss` replaces ``loss``).
-    A step differentiates the mean when the model's gradients depend on the cotangent
-    it receives: a vocab-tiled loss's hand-written backward, or FP8's output-gradient
-    amax history (``overwrite``). Otherwise it differentiates the sum and divides the
-    gradients by the count, which lets micro-batches accumulate.
-    """
-    if tiled:
-        loss = functools.partial(model_loss, predicts=predicts)
-    if not (tiled or overwrite):
-        return loss
-
-    def mean_loss(outputs: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        total, count = loss(outputs, batch)
-        return total / count, jnp.ones((), jnp.float32)
-
-    return mean_loss
-
-
-def metrics(loss: jax.Array, grads: Any, aux: Mapping[str, jax.Array]) -> dict[str, Any]:
-    """A step's metrics: the mean ``loss``, the ``grads`` and any auxiliary losses.
-
-    ``loss`` includes the auxiliary losses; ``aux`` (only for a family that declares
-    them) holds each, summed over micro-batches.
-    """
-    return {"loss": loss, "grads": grads, **({"aux": dict(aux)} if aux else {})}
+from conformance.runtime.objective import (
+    accumulate,
+    loss_inputs,
+    make_optimizer,
+    masked_token_loss,
+    metrics,
+    objective_of,
+    refuse_accumulated_overwrite,
+    sown_losses,
+    with_aux,
+)
+from conformance.runtime.train_state import (
+    STREAMS_SEED,
+    NnxTrainState,
+    OverwriteWithGradient,
+    replicated,
+    state_kind,
+    step_streams,
+)
 
 
 def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> Any:
@@ -162,36 +70,6 @@ def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) ->
     if micro_batches != 1:
         raise ValueError("a vocab-tiled step takes the whole batch (one micro-batch)")
     return family.vocab_tiling_config(config, vocab_tiles)
-
-
-def split_batch(batch: Batch, micro_batches: int) -> list[Batch]:
-    """``batch`` cut into ``micro_batches`` equal slices along the batch axis."""
-    rows = batch.tokens.shape[0]
-    if rows % micro_batches:
-        raise ValueError(f"{rows} rows do not split into {micro_batches} micro-batches")
-    size = rows // micro_batches
-    return [
-        jax.tree.map(lambda x, i=i: x[i * size : (i + 1) * size], batch)
-        for i in range(micro_batches)
-    ]
-
-
-def accumulate(
-    grad_fn: GradFn, batch: Batch, micro_batches: int, sharding: NamedSharding | None = None
-) -> Any:
-    """Sum ``grad_fn``'s ``((loss_sum, count), grads)`` over the micro-batches of ``batch``.
-
-    With ``sharding``, each micro-batch is constrained to it first. The harness passes a
-    replicated sharding: on the CPU, XLA's SPMD partitioner (jaxlib 0.12.0.1) computes a
-    wrong gradient for a gather over a slice of a batch sharded over several mesh axes
-    (see ``tests/test_upstream.py``).
-    """
-    outputs = []
-    for micro in split_batch(batch, micro_batches):
-        if sharding is not None and micro_batches > 1:
-            micro = jax.lax.with_sharding_constraint(micro, sharding)
-        outputs.append(grad_fn(micro))
-    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *outputs)
 
 
 def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -237,7 +115,7 @@ class LinenTrainer:
         """Each kept collection's kind in :attr:`kinds`: persistent state by its type's name."""
         self.overwrite = {path for path, c in self.kept.items() if c == OVERWRITE}
         """Paths of :data:`OVERWRITE` values (a step replaces them with their gradient)."""
-        _check_overwrite(bool(self.overwrite), micro_batches)
+        refuse_accumulated_overwrite(bool(self.overwrite), micro_batches)
         self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
@@ -329,7 +207,7 @@ class LinenTrainer:
         """
         module = self.runner.module
         predicts = self.runner.family.logits_predict
-        objective = _objective(
+        objective = objective_of(
             functools.partial(masked_token_loss, predicts=predicts),
             self.tiled,
             bool(self.overwrite),
@@ -396,32 +274,6 @@ class LinenTrainer:
         return _step_fns(self._steps, self.step, shardings)
 
 
-def step_streams(abstract: nnx.State, step: jax.Array) -> nnx.State:
-    """RNG streams for ``step`` shaped like ``abstract``: fresh keys, counters at zero.
-
-    Each key leaf gets its own key, a function of its position and ``step`` only, so a
-    step is deterministic and successive steps draw different dropout masks.
-    """
-    leaves, treedef = jax.tree.flatten(abstract)
-    base = jax.random.fold_in(jax.random.key(STREAMS_SEED), step)
-    streams = []
-    for index, leaf in enumerate(leaves):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            key = jax.random.fold_in(base, index)
-            streams.append(jax.random.split(key, leaf.shape) if leaf.shape else key)
-        else:
-            streams.append(jnp.zeros(leaf.shape, leaf.dtype))
-    return jax.tree.unflatten(treedef, streams)
-
-
-class NnxTrainState(nnx.Module):
-    """The NNX train state: the model and its optimizer, split and merged as one."""
-
-    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation) -> None:
-        self.model = model
-        self.optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-
 def nnx_training_forward(
     model: nnx.Module, batch: Batch, train_kwargs: Mapping[str, Any]
 ) -> tuple[jax.Array, Any]:
@@ -429,42 +281,6 @@ def nnx_training_forward(
     return nnx.capture(model, nnx.Intermediate)(
         batch.tokens, batch.positions, batch.segment_ids, **train_kwargs
     )
-
-
-def sown_losses(sown: Any, names: Sequence[str]) -> dict[str, jax.Array]:
-    """``{name: float32 sum of every value sown under name}`` for the ``names`` found.
-
-    ``sown`` is a Linen ``intermediates`` collection or a captured NNX state.
-    """
-    found: dict[str, jax.Array] = {}
-    for path, value in flatten(sown).items():
-        for name in set(names) & set(path.split("/")):
-            total = jnp.sum(jnp.asarray(value, jnp.float32))
-            found[name] = found[name] + total if name in found else total
-    return found
-
-
-def aux_total(aux: Mapping[str, jax.Array]) -> Any:
-    """The sum of the auxiliary losses ``aux`` (0 when there are none)."""
-    return sum(aux.values())
-
-
-def with_aux(
-    objective: tuple[jax.Array, jax.Array],
-    aux: Mapping[str, jax.Array],
-    cross_entropy: bool = True,
-) -> tuple[jax.Array, tuple[jax.Array, Mapping[str, jax.Array]]]:
-    """The value a micro-batch differentiates, with ``(count, aux)`` carried beside it.
-
-    The loss sum plus every auxiliary loss weighted by the target count, so that the mean
-    loss gains each once; the loss sum itself when there are none. Without
-    ``cross_entropy`` the loss sum is left out: what remains is the auxiliary part alone.
-    """
-    loss_sum, count = objective
-    total = loss_sum if cross_entropy else jnp.zeros_like(loss_sum)
-    if aux:
-        total = total + aux_total(aux) * count
-    return total, (count, dict(aux))
 
 
 class NnxTrainer:
@@ -502,7 +318,7 @@ class NnxTrainer:
         self._vars = flatten_state(self.abstract_state)
         self.overwrite = any(isinstance(v, OverwriteWithGradient) for v in self._vars.values())
         """Whether the model holds :data:`OVERWRITE` Variables (kept in the state's model)."""
-        _check_overwrite(self.overwrite, micro_batches)
+        refuse_accumulated_overwrite(self.overwrite, micro_batches)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
         self._steps: dict[Any, Any] = {}
@@ -549,7 +365,7 @@ class NnxTrainer:
 
         Without ``cross_entropy`` the value is the auxiliary losses' part alone.
         """
-        objective = _objective(self.loss, self.tiled, self.overwrite, self.predicts)
+        objective = objective_of(self.loss, self.tiled, self.overwrite, self.predicts)
 
         def loss_fn(model: nnx.Module, micro: Batch) -> Any:
             tiling = loss_inputs(micro, self.predicts) if self.tiled else {}
@@ -594,45 +410,6 @@ class NnxTrainer:
     def step_fn(self, shardings: Any = None) -> Any:
         """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
         return _step_fns(self._steps, self.step, shardings)
-
-
-def _check_overwrite(overwrite: bool, micro_batches: int) -> None:
-    """Refuse micro-batches for a model with :data:`OVERWRITE` values.
-
-    Their gradient is the next value, not an increment: summed over micro-batches it
-    means nothing (MaxText rejects FP8 with gradient accumulation for this reason).
-    """
-    if overwrite and micro_batches != 1:
-        raise ValueError(
-            f"a model with {OVERWRITE} variables (FP8 scales and amax histories) "
-            "cannot accumulate gradients over micro-batches"
-        )
-
-
-def state_kind(var: nnx.Variable) -> str:
-    """A train-state leaf's kind, named alike on both backends.
-
-    ``Param`` (Linen's ``params`` collection), ``OptState`` (optimizer state, the step
-    counter included), :data:`OVERWRITE` (FP8 scales and amax histories), or the Variable
-    type's own name for anything else (``MoEBiasVar``): a leaf that changes kind between
-    releases has changed collection.
-    """
-    for kind in (OverwriteWithGradient, nnx.Param, nnx.OptState):
-        if isinstance(var, kind):
-            return OVERWRITE if kind is OverwriteWithGradient else kind.__name__
-    return type(var).__name__
-
-
-def flat_state(state: Any) -> Flat:
-    """A train state or gradient tree (Linen dicts or NNX State) as ``{path: array}``."""
-    if isinstance(state, nnx.State):
-        return {p: v.get_value() for p, v in flatten_state(state).items()}
-    return flatten(state)
-
-
-def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """A fully replicated sharding on ``mesh``."""
-    return NamedSharding(mesh, PartitionSpec())
 
 
 @scoped

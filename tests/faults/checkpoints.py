@@ -19,7 +19,7 @@ from conformance.runtime.checkpoints import (
     save,
 )
 from conformance.runtime.sides import NnxSide
-from conformance.runtime.training import flat_state
+from conformance.runtime.train_state import flat_state
 from conformance_models.llama.family import LlamaFamily
 from tests.faults.fault import Fault, Llama
 

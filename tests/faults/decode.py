@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from conformance.runtime.decoding import decode_positions
+from conformance.runtime.generation import decode_positions
 from conformance_models import nnx_layers
 from tests.contract.toyzoo import flaxlm
 from tests.contract.toyzoo.families import ToyLm

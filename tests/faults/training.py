@@ -11,7 +11,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conformance.runtime.training import NnxTrainState, split_batch
+from conformance.runtime.objective import split_batch
+from conformance.runtime.train_state import NnxTrainState
 from conformance_models import common
 from conformance_models.config import TransformerConfig
 from conformance_models.gpt3.family import Gpt3Family

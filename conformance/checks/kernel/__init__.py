@@ -32,6 +32,7 @@ from conformance.checks.kernel.logits import (
     quantized_forwards,
 )
 from conformance.checks.kernel.steps import (
+    DROPOUT_RATE,
     STEPS,
     leaf_group,
     rerun_note,
@@ -45,6 +46,7 @@ from conformance.checks.kernel.steps import (
 )
 
 __all__ = [
+    "DROPOUT_RATE",
     "STEPS",
     "Rerun",
     "agreed_specs",

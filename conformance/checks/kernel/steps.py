@@ -28,6 +28,9 @@ from conformance.runtime.stepping import StepResult, Training
 STEPS = 3
 """Train steps compared for parity."""
 
+DROPOUT_RATE = 0.1
+"""Dropout rate the checks that train with dropout on ask :meth:`~Family.variant` for."""
+
 
 def train_pair(
     case: Case,

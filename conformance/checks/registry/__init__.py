@@ -1,0 +1,35 @@
+"""Every check of the suite in one table: its name, what it runs on, what it needs.
+
+The table drives the suite: the pytest plugin parametrizes each suite test from its
+:class:`Check` (axes, parameters, capability, layouts, quantization method), marks the
+expected failures through :func:`expected_failure` (the one mechanism for them), keeps
+goldens for the checks that have them and labels the matrix and the reports by check
+name. The planted-fault runner calls checks through it too. A check is called with a
+:class:`~conformance.runtime.case.Case` and its own parameters, and every failure it
+raises is headed ``<family> <check>:``.
+"""
+
+from conformance.checks.registry.check import (
+    AXES,
+    Check,
+    ExpectedFailure,
+    Param,
+    Where,
+    expected_failure,
+)
+from conformance.checks.registry.lookup import UnknownCheck, case_of, get, mesh_of
+from conformance.checks.registry.table import CHECKS
+
+__all__ = [
+    "AXES",
+    "CHECKS",
+    "Check",
+    "ExpectedFailure",
+    "Param",
+    "UnknownCheck",
+    "Where",
+    "case_of",
+    "expected_failure",
+    "get",
+    "mesh_of",
+]

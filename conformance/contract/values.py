@@ -1,0 +1,139 @@
+"""The values the Family contract speaks in: backends, batches, capabilities, rules.
+
+Plain, immutable values a family declares or receives; :mod:`conformance.contract.family`
+holds the contract itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import jax
+
+LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+"""Logical-axis rules, ``(logical_name, mesh_axis or axes or None)``, first match wins."""
+
+PathRules = Sequence[tuple[str, str]]
+"""Regex rewrites ``(pattern, replacement)`` taking a Linen parameter path to its NNX path."""
+
+QUANTIZATION_MODES = ("qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8")
+"""The Qwix modes a family may declare: QAT (fake-quantized forward over float
+parameters) or PTQ (``qvalue`` plus ``scale`` parameters), in int8 or fp8 (e4m3)."""
+
+DECODE_STYLES = ("prefill", "token")
+"""How a family decodes: :attr:`Capabilities.decode_style`."""
+
+PREDICTIONS = ("next", "current")
+"""What the logits at a position predict: :attr:`Family.logits_predict`."""
+
+
+class Backend(enum.StrEnum):
+    """A backend a family is written for.
+
+    Its value is its id in test ids, checkpoints and references, and it compares equal
+    to that id.
+    """
+
+    LINEN = "linen"
+    NNX = "nnx"
+
+    @property
+    def other(self) -> Backend:
+        """The backend a conversion from this one goes to."""
+        return Backend.NNX if self is Backend.LINEN else Backend.LINEN
+
+
+BACKENDS = tuple(backend.value for backend in Backend)
+"""The backends' ids (:class:`Backend`), in order."""
+
+
+class FamilyError(LookupError):
+    """A family name or a family definition is not usable."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A deterministic batch: int32 arrays of shape ``[batch, seq]``.
+
+    ``segment_ids`` is nonzero on real tokens and 0 on padding; ``targets`` are what
+    the logits predict (:attr:`Family.logits_predict`): the next tokens, or the tokens
+    themselves for a model that shifts its inputs internally. The loss trains on the
+    target at a position when the position it predicts is real (for next-token logits,
+    never the last column nor past a row's end): no token value is treated as padding,
+    so a model that masks by token value (``tokens > 0``) must give padding token 0 and
+    no real token 0. A pytree, so it can be passed to jitted functions and placed with
+    ``device_put``.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    segment_ids: jax.Array
+    targets: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantScope:
+    """What quantization rules target: modules by path regex, and operations by name."""
+
+    module_path: str = ".*"
+    """Regex fully matching the module path (``layers_0/mlp/wi`` in Linen, ``layers/0/...``
+    in NNX), so it must accept both backends' spellings."""
+    op_names: tuple[str, ...] = ("dot_general",)
+    """Intercepted ``jax`` operations to quantize (``dot_general``, ``einsum``, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a family supports; every test that needs what it lacks skips with a reason.
+
+    The defaults describe a family with nothing optional: one unscanned layer layout,
+    no remat or dropout variant, no decode, no quantization.
+    """
+
+    scan_layers: tuple[bool, ...] = (False,)
+    """Layer layouts supported (``True``: scanned), the family's preferred one first: the
+    ``smoke`` tier runs only that one. Declaring both requires
+    :meth:`Family.layer_stack_rules`: the layout checks and cross-layout checkpoint
+    conversions stack one layout's layers into the other's."""
+    remat: bool = False
+    """:meth:`Family.variant` gives a rematerialised config (``layout[remat]``)."""
+    dropout: bool = False
+    """:meth:`Family.variant` gives a config with dropout (``dropout``)."""
+    decode: bool = False
+    """Serving through a KV cache, in the :attr:`decode_style` the family declares."""
+    decode_style: str = "prefill"
+    """How the family decodes (see :class:`Family`), one of :data:`DECODE_STYLES`:
+    ``"prefill"`` (MaxText's: a call-time ``mode`` keyword, a multi-token prefill of
+    right-padded prompts, then one token per row at its own position) or ``"token"``
+    (Flax's examples': decoding selected by :meth:`Family.decode_config`, one token per
+    call at one position for all rows, the prompt fed token by token, the cache index kept
+    by the model). ``"token"`` requires :meth:`Family.decode_config`; ``"prefill"`` must
+    not define it."""
+    quantization: frozenset[str] = frozenset()
+    """Qwix modes (names in :data:`QUANTIZATION_MODES`) the family supports."""
+    aqt: bool = False
+    """AQT int8 train/convert/serve through :meth:`Family.aqt_config`."""
+    vocab_tiling: bool = False
+    """A training loss computed from the logits a few rows at a time, through
+    :meth:`Family.vocab_tiling_config`."""
+    fp8: bool = False
+    """FP8 training with delayed scaling through :meth:`Family.fp8_config`."""
+    aux_losses: tuple[str, ...] = ()
+    """Scalar auxiliary losses the model sows in a training forward (MoE load balancing,
+    multi-token prediction), by name: Linen ``self.sow("intermediates", name, value)``,
+    NNX ``self.sow(nnx.Intermediate, name, value)`` (or a subclass of it). The harness's
+    train step adds every value sown under each name to the loss, as a training stack
+    must; the ``aux_losses`` check compares them across backends and shows they reach
+    the loss."""
+    recorded: tuple[str, ...] = ()
+    """Backends (``"linen"``, ``"nnx"``) whose recorded reference the family keeps in the
+    repository (``python -m conformance.record``): the ``recorded_*`` checks compare each
+    live backend with each, so a backend that is gone stays a reference."""
+
+    @property
+    def preferred_scan_layers(self) -> bool:
+        """The family's preferred layer layout: the first of :attr:`scan_layers`."""
+        return self.scan_layers[0] if self.scan_layers else False
