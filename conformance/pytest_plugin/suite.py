@@ -82,6 +82,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     are ordered so that those sharing compiled programs (same family, layout and mesh)
     run together; see :class:`~conformance.pytest_plugin.scopes.ScopePerGroup`.
     """
+    if registry.ZOO.problems:
+        raise pytest.UsageError("; ".join(registry.ZOO.problems))
     run = settings(config)
     config.stash[_COLLECTED] = set()
     kept, left_out = [], []

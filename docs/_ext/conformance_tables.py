@@ -10,7 +10,7 @@ import inspect
 import re
 from pathlib import Path
 
-from conformance.checks.registry import CHECKS, Check
+from conformance.checks.registry import BUILTIN, Check
 from conformance.cli.run import emulation_parser
 from conformance.pytest_plugin.options import INI, OPTIONS
 
@@ -58,9 +58,9 @@ def _golden(check: Check) -> str:
 
 
 def checks_table() -> str:
-    """Every registered check, by area: what it asserts, its axes, what it needs, goldens."""
+    """Every check this package ships, by area: what it asserts, axes, needs, goldens."""
     rows = ["| check | area | asserts | over | needs | golden |", "|---|---|---|---|---|---|"]
-    for check in sorted(CHECKS.values(), key=lambda c: (c.area, c.name)):
+    for check in sorted(BUILTIN.values(), key=lambda c: (c.area, c.name)):
         rows.append(
             f"| `{check.name}` | {check.area} | {_summary(check)} | {_over(check)} "
             f"| {_needs(check)} | {_golden(check)} |"

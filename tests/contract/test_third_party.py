@@ -6,8 +6,9 @@ points register four families: ``toy-minimal`` declares no optional capability,
 ``toy-full`` declares layouts, remat, dropout, decode (MaxText's prefill style) and Qwix
 QAT, ``toy-lm`` is written as Flax's examples are (decoding token by token through its
 ``decode_config``, logits that predict the current token), and ``toy-moe`` is a mixture
-of experts sharded on ``expert`` that sows a load-balancing loss. The suite runs on both at
-the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
+of experts sharded on ``expert`` that sows a load-balancing loss. Its ``conformance.checks``
+entry point registers a check of its own, ``logits_bounded``. The suite runs on all four
+at the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
 first, then the whole suite must pass, and every skip must carry a reason.
 """
 
@@ -27,6 +28,9 @@ toy-minimal = toyzoo.families:ToyMinimal
 toy-full = toyzoo.families:ToyFull
 toy-lm = toyzoo.families:ToyLm
 toy-moe = toyzoo.families:ToyMoe
+
+[conformance.checks]
+logits_bounded = toyzoo.checks:LOGITS_BOUNDED
 """
 
 
@@ -39,8 +43,10 @@ def install_zoo(site: Path) -> None:
     (info / "entry_points.txt").write_text(ENTRY_POINTS)
 
 
-def run_suite(project: Path, site: Path, junit: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(site))
+def run_suite(
+    project: Path, site: Path, junit: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(site), **(env or {}))
     env.pop("XLA_FLAGS", None)
     command = [sys.executable, "-m", "pytest", "--pyargs", "conformance.suite", "-p"]
     command += ["no:cacheprovider", "-q", "-rs", f"--junitxml={junit}", "--conformance-tier=smoke"]
@@ -140,3 +146,37 @@ def test_the_goldens_are_the_zoos_own(zoo_run):
     assert ("toy-minimal", "structure") in written
     assert ("toy-full", "sharding") in written
     assert not any(family in ("gpt3", "llama", "moe") for family, _ in written)
+
+
+def test_the_zoos_own_check_runs_on_every_family(zoo_run):
+    _, junit, _ = zoo_run
+    for family in FAMILIES:
+        assert "logits_bounded" in checks_run(junit, family), family
+
+
+def test_the_zoos_own_check_fails_naming_the_side_and_the_bound(tmp_path):
+    site, project = tmp_path / "site", tmp_path / "project"
+    site.mkdir()
+    project.mkdir()
+    install_zoo(site)
+    (project / "pytest.ini").write_text("[pytest]\nconformance_builtin_families = false\n")
+    env = {"TOYZOO_LOGIT_BOUND": "1e-6"}
+    run = run_suite(project, site, tmp_path / "run.xml", "-k", "logits_bounded", env=env)
+    assert run.returncode == 1, run.stdout[-5000:] + run.stderr[-3000:]
+    assert "toy-minimal logits_bounded: Linen logits reach |" in run.stdout
+    assert "over the zoo's bound 1e-06" in run.stdout
+
+
+def test_a_check_entry_point_that_is_not_a_check_is_a_usage_error(tmp_path):
+    site, project = tmp_path / "site", tmp_path / "project"
+    site.mkdir()
+    project.mkdir()
+    install_zoo(site)
+    (project / "pytest.ini").write_text("[pytest]\nconformance_builtin_families = false\n")
+    points = site / "toyzoo-0.1.dist-info" / "entry_points.txt"
+    points.write_text(points.read_text().replace("checks:LOGITS_BOUNDED", "checks:LOGIT_BOUND"))
+    run = run_suite(project, site, tmp_path / "run.xml", "--collect-only")
+    assert run.returncode == 4, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "check entry point 'logits_bounded' = 'toyzoo.checks:LOGIT_BOUND' gave float" in (
+        run.stdout + run.stderr
+    )

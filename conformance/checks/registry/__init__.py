@@ -18,16 +18,20 @@ from conformance.checks.registry.check import (
     expected_failure,
 )
 from conformance.checks.registry.lookup import UnknownCheck, case_of, get, mesh_of
-from conformance.checks.registry.table import CHECKS
+from conformance.checks.registry.table import BUILTIN, CHECKS, ZOO
+from conformance.checks.registry.zoo import ENTRY_POINT_GROUP
 
 __all__ = [
     "AXES",
+    "BUILTIN",
     "CHECKS",
+    "ENTRY_POINT_GROUP",
     "Check",
     "ExpectedFailure",
     "Param",
     "UnknownCheck",
     "Where",
+    "ZOO",
     "case_of",
     "expected_failure",
     "get",

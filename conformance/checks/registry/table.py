@@ -20,6 +20,7 @@ from conformance.checks import (
     training,
 )
 from conformance.checks.registry.check import Check, Param
+from conformance.checks.registry.zoo import zoo_checks
 from conformance.contract import Family
 from conformance.runtime import aqt as aqt_runtime
 from conformance.runtime import quant
@@ -128,7 +129,7 @@ _LAYOUT_VARIANTS = (
     ),
 )
 
-CHECKS: dict[str, Check] = {
+BUILTIN: dict[str, Check] = {
     check.name: check
     for check in (
         # aqt
@@ -384,4 +385,11 @@ CHECKS: dict[str, Check] = {
         ),
     )
 }
-"""Every registered check, by name."""
+"""The checks this package ships, by name."""
+
+ZOO = zoo_checks(BUILTIN)
+"""The checks installed zoos register (:mod:`conformance.checks.registry.zoo`), and why
+an entry point could not."""
+
+CHECKS: dict[str, Check] = {**BUILTIN, **ZOO.checks}
+"""Every registered check, by name: the built-in ones, then the zoos'."""

@@ -1,0 +1,55 @@
+"""A zoo's own checks register through entry points, and a broken one is named, not run."""
+
+import dataclasses
+from importlib.metadata import EntryPoint
+
+from conformance.checks.registry import BUILTIN, ENTRY_POINT_GROUP, Check
+from conformance.checks.registry.zoo import ZOO_SUITE, zoo_checks
+from conformance.checks.structure import check_structure
+
+GOOD = Check("zoo_structure", check_structure, ("family", "size", "scan_layers"), where="none")
+UNORDERED = dataclasses.replace(GOOD, name="unordered", axes=("scan_layers", "family"))
+UNKNOWN_AXIS = dataclasses.replace(GOOD, name="unknown_axis", axes=("family", "colour"))
+CLASH = dataclasses.replace(GOOD, name="forward")
+
+
+def _entry(name: str, attribute: str) -> EntryPoint:
+    return EntryPoint(name, f"{__name__}:{attribute}", ENTRY_POINT_GROUP)
+
+
+def test_a_zoo_check_registers_under_the_zoo_suite():
+    checks, problems = zoo_checks(BUILTIN, [_entry("zoo_structure", "GOOD")])
+    assert not problems
+    assert checks["zoo_structure"].suite_module == f"test_{ZOO_SUITE}"
+    assert checks["zoo_structure"].run is check_structure
+
+
+def test_each_broken_entry_point_is_one_line_naming_it():
+    entries = [
+        _entry("not_a_check", "_entry"),
+        _entry("renamed", "GOOD"),
+        _entry("forward", "CLASH"),
+        _entry("unordered", "UNORDERED"),
+        _entry("unknown_axis", "UNKNOWN_AXIS"),
+        _entry("missing", "NOT_THERE"),
+    ]
+    checks, problems = zoo_checks(BUILTIN, entries)
+    assert not checks
+    text = "\n".join(problems)
+    assert len(problems) == len(entries), text
+    assert f"'not_a_check' = '{__name__}:_entry' gave function, not a" in text
+    assert "gave the check 'zoo_structure': name the entry point after its check" in text
+    assert "a check called 'forward' is already registered" in text
+    assert "axes ['scan_layers', 'family'] are not in test-id order" in text
+    assert "unknown axes ['colour']" in text
+    assert f"'missing' = '{__name__}:NOT_THERE' fails to load: AttributeError" in text
+
+
+def test_two_zoos_cannot_register_one_name():
+    entries = [_entry("zoo_structure", "GOOD"), _entry("zoo_structure", "GOOD")]
+    checks, problems = zoo_checks(BUILTIN, entries)
+    assert list(checks) == ["zoo_structure"]
+    assert problems == (
+        f"check entry point 'zoo_structure' = '{__name__}:GOOD': a check called "
+        "'zoo_structure' is already registered",
+    )
