@@ -190,4 +190,4 @@ benchmark: $(STAMP)
 	$(BIN)/python scripts/benchmark.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .venv-maxtext-* $(TPU_VENV) $(WHEEL_VENV) build dist
+	rm -rf $(VENV) .venv-maxtext-* $(TPU_VENV) $(WHEEL_VENV) build dist docs/_build docs/_generated

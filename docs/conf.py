@@ -11,5 +11,7 @@ extensions = ["myst_parser", "conformance_tables"]
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "_generated"]
 myst_heading_anchors = 3
+# Option names and quoted values stay as written (no en dashes, no curly quotes).
+smartquotes = False
 html_theme = "alabaster"
 html_title = project

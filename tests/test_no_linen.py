@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from conformance.checks.registry import CHECKS
+from conformance.checks.registry import BUILTIN
 from conformance.contract import Family, FamilyError, problems
 from conformance.core.goldens import dumps, normalise
 from conformance.core.references import references_root
@@ -46,7 +46,7 @@ def test_without_linen_and_references_is_a_declaration_error():
 
 def _planned():
     run = Settings((FAMILY,), (MESH,), (TOPOLOGY,), get_tier("full"), "low", Goldens(None))
-    return [p for check in CHECKS.values() for p in plan(check, FAMILY, run)]
+    return [p for check in BUILTIN.values() for p in plan(check, FAMILY, run)]
 
 
 def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
@@ -93,7 +93,7 @@ def test_nnx_alone_agrees_with_the_recorded_linen(tmp_path, check):
 
 
 def test_an_unknown_axis_is_an_error_not_a_quantization_axis():
-    check = dataclasses.replace(CHECKS["forward"], axes=("family", "precision"))
+    check = dataclasses.replace(BUILTIN["forward"], axes=("family", "precision"))
     run = Settings((FAMILY,), (MESH,), (TOPOLOGY,), get_tier("full"), "low", Goldens(None))
     with pytest.raises(ValueError, match="unknown axis 'precision'; axes: family, size"):
         plan(check, FAMILY, run)

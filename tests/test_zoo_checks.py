@@ -3,18 +3,23 @@
 import dataclasses
 from importlib.metadata import EntryPoint
 
-from conformance.checks.registry import BUILTIN, ENTRY_POINT_GROUP, Check
-from conformance.checks.registry.zoo import ZOO_SUITE, zoo_checks
+from conformance.checks.registry import BUILTIN, CHECK_ENTRY_POINT_GROUP, Check
+from conformance.checks.registry.check import ZOO_SUITE
+from conformance.checks.registry.zoo import zoo_checks
 from conformance.checks.structure import check_structure
 
 GOOD = Check("zoo_structure", check_structure, ("family", "size", "scan_layers"), where="none")
 UNORDERED = dataclasses.replace(GOOD, name="unordered", axes=("scan_layers", "family"))
 UNKNOWN_AXIS = dataclasses.replace(GOOD, name="unknown_axis", axes=("family", "colour"))
 CLASH = dataclasses.replace(GOOD, name="forward")
+TWICE = dataclasses.replace(GOOD, name="twice", axes=("family", "family"))
+NO_FAMILY = dataclasses.replace(GOOD, name="no_family", axes=("size",))
+NO_MESH = dataclasses.replace(GOOD, name="no_mesh", where="each")
+GIVEN = dataclasses.replace(GOOD, name="given", given=("dtype",))
 
 
 def _entry(name: str, attribute: str) -> EntryPoint:
-    return EntryPoint(name, f"{__name__}:{attribute}", ENTRY_POINT_GROUP)
+    return EntryPoint(name, f"{__name__}:{attribute}", CHECK_ENTRY_POINT_GROUP)
 
 
 def test_a_zoo_check_registers_under_the_zoo_suite():
@@ -32,6 +37,10 @@ def test_each_broken_entry_point_is_one_line_naming_it():
         _entry("unordered", "UNORDERED"),
         _entry("unknown_axis", "UNKNOWN_AXIS"),
         _entry("missing", "NOT_THERE"),
+        _entry("twice", "TWICE"),
+        _entry("no_family", "NO_FAMILY"),
+        _entry("no_mesh", "NO_MESH"),
+        _entry("given", "GIVEN"),
     ]
     checks, problems = zoo_checks(BUILTIN, entries)
     assert not checks
@@ -40,7 +49,11 @@ def test_each_broken_entry_point_is_one_line_naming_it():
     assert f"'not_a_check' = '{__name__}:_entry' gave function, not a" in text
     assert "gave the check 'zoo_structure': name the entry point after its check" in text
     assert "a check called 'forward' is already registered" in text
-    assert "axes ['scan_layers', 'family'] are not in test-id order" in text
+    assert "axes ['scan_layers', 'family'] are not each once in test-id order" in text
+    assert "axes ['family', 'family'] are not each once in test-id order" in text
+    assert f"'no_family' = '{__name__}:NO_FAMILY': its axes must start with 'family'" in text
+    assert "a check run where='each' needs the axis 'mesh'" in text
+    assert "given axes ['dtype'] are not among its axes" in text
     assert "unknown axes ['colour']" in text
     assert f"'missing' = '{__name__}:NOT_THERE' fails to load: AttributeError" in text
 

@@ -20,10 +20,10 @@ import pytest
 
 from conformance.checks.registry import (
     AXES,
-    CHECKS,
     Check,
     ExpectedFailure,
     Param,
+    checks,
     expected_failure,
 )
 from conformance.contract import Backend, Family
@@ -215,12 +215,12 @@ def divergence_problems(
     for key in family.known_divergences:
         name, bracket, fragment = key.partition("[")
         fragment = fragment.removesuffix("]")
-        if name in CHECKS:
-            ids = {p.id for p in plan(CHECKS[name], family, wider)}
+        if name in (registered := checks()):
+            ids = {p.id for p in plan(registered[name], family, wider)}
         elif name in own:
             ids = own[name]
         else:
-            close = difflib.get_close_matches(name, [*CHECKS, *own], n=1)
+            close = difflib.get_close_matches(name, [*registered, *own], n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             found.append(
                 f"family {family.name!r} declares a known divergence {key!r} of {name!r}, "

@@ -51,6 +51,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return settings(config).header()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Refuse the run, before any test or worker, if a zoo's check cannot register."""
+    if problems := registry.installed().problems:
+        raise pytest.UsageError("; ".join(problems))
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrize a suite check from the registry, or a user's test over its axes."""
     run = settings(metafunc.config)
@@ -82,8 +89,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     are ordered so that those sharing compiled programs (same family, layout and mesh)
     run together; see :class:`~conformance.pytest_plugin.scopes.ScopePerGroup`.
     """
-    if registry.ZOO.problems:
-        raise pytest.UsageError("; ".join(registry.ZOO.problems))
     run = settings(config)
     config.stash[_COLLECTED] = set()
     kept, left_out = [], []
@@ -127,7 +132,9 @@ def _refuse_unknown_divergences(run: Settings, items: list[pytest.Item]) -> None
     """
     own: dict[str, set[str]] = {}
     for item in items:
-        if (planned := planned_of(item)) is not None and planned.check.name not in registry.CHECKS:
+        if (
+            planned := planned_of(item)
+        ) is not None and planned.check.name not in registry.checks():
             own.setdefault(planned.check.name, set()).add(planned.id)
     problems = [line for family in run.families for line in divergence_problems(family, run, own)]
     if problems:

@@ -1,5 +1,5 @@
 """Prefill and decode: the KV cache's layout, self-consistency per backend, Linen/NNX parity."""
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

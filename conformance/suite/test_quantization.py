@@ -1,5 +1,5 @@
 """Qwix quantization (QAT, PTQ; int8, fp8): layouts, forward parity and error bounds, hygiene."""
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

@@ -5,6 +5,6 @@ are placed; ``test_sharding_topology`` evaluates full-size configs on abstract p
 meshes, without devices or parameter memory.
 """
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

@@ -1,5 +1,5 @@
 """State hygiene outside training: forwards leave the NNX model's state as it was built."""
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

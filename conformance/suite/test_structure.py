@@ -3,6 +3,6 @@
 ``test_provenance``: each side runs as many bridged modules as its family declares.
 """
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

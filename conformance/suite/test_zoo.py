@@ -1,5 +1,5 @@
 """Checks installed zoos register themselves (the ``conformance.checks`` entry points)."""
 
-from conformance.suite import check_tests
+from conformance.suite.generated import check_tests
 
 globals().update(check_tests(__name__))

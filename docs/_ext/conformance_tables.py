@@ -14,18 +14,34 @@ from conformance.checks.registry import BUILTIN, Check
 from conformance.cli.run import emulation_parser
 from conformance.pytest_plugin.options import INI, OPTIONS
 
-_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_ROLE = re.compile(r":(?:[a-z]+:)+`~?(?:[^`<]*<)?([^`>]+)>?`")
+"""A Sphinx role (``:func:`~a.b` ``, ``:py:meth:`title <a.b>` ``): its target's last part."""
+
+_CODE = re.compile(r"(`[^`]*`)")
+
+
+def _plain(text: str) -> str:
+    """Markdown-escape text outside code spans: emphasis and raw HTML stay literal."""
+    for char in "\\*_<":
+        text = text.replace(char, "\\" + char)
+    return text
 
 
 def _cell(text: str) -> str:
-    """``text`` fit for one cell of a Markdown table: one line, roles as code, no pipes."""
+    """``text`` fit for one cell of a Markdown table: one line, roles as code, no pipes.
+
+    Escapes apply outside code spans only (CommonMark reads none inside them); a pipe is
+    escaped everywhere, as GitHub-flavoured tables require.
+    """
     text = _ROLE.sub(lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", text)
-    text = text.replace("``", "`").replace("<", "&lt;").replace("*", "\\*")
-    return " ".join(text.split()).replace("|", "\\|")
+    text = " ".join(text.replace("``", "`").split())
+    parts = _CODE.split(text)
+    text = "".join(part if part.startswith("`") else _plain(part) for part in parts)
+    return text.replace("|", "\\|")
 
 
 def _summary(check: Check) -> str:
-    """The first sentence of the check function's docstring."""
+    """The first paragraph of the check function's docstring."""
     doc = inspect.getdoc(check.run) or ""
     return _cell(doc.split("\n\n", 1)[0])
 
@@ -42,8 +58,14 @@ def _needs(check: Check) -> str:
         needs.append(f"`Capabilities.{check.capability}`")
     if len(set(check.layouts)) == 2:
         needs.append("both layouts")
-    if check.quant_method:
-        needs.append(f"a Qwix `{check.quant_method}` mode")
+    elif check.layouts:
+        needs.append("the scanned layout" if check.layouts[0] else "the unscanned layout")
+    if "quant" in check.axes:
+        needs.append(f"a declared Qwix {check.quant_method or ''} mode".replace("  ", " "))
+    if any(value.capability or value.layouts for _, values in check.params for value in values):
+        needs.append("for some parameter values, a layout or capability")
+    if check.requires is not None:
+        needs.append("a condition on the family (its skip says which)")
     if check.pair:
         needs.append("a live Linen side")
     if check.references:
@@ -69,9 +91,9 @@ def checks_table() -> str:
 
 
 def _default(value: object) -> str:
-    if value in (None, [], False):
+    if value is None or value is False or value == [] or value == "":
         return ""
-    return f"`{value}`"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
 
 
 def options_table() -> str:
@@ -93,7 +115,7 @@ def ini_table() -> str:
     """Every ini option of the plugin, with its default."""
     rows = ["| ini option | default | what it does |", "|---|---|---|"]
     for name, help_, _, default in INI:
-        rows.append(f"| `{name}` | `{default}` | {_cell(help_)} |")
+        rows.append(f"| `{name}` | {_default(default)} | {_cell(help_)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -102,7 +124,8 @@ def emulation_table() -> str:
     rows = ["| option | value | what it does |", "|---|---|---|"]
     for action in emulation_parser()._actions:
         flag = action.option_strings[0]
-        rows.append(f"| `{flag}` | {action.metavar or ''} | {_cell(action.help or '')} |")
+        metavar = _cell(action.metavar or "")
+        rows.append(f"| `{flag}` | {metavar} | {_cell(action.help or '')} |")
     return "\n".join(rows) + "\n"
 
 

@@ -18,22 +18,22 @@ from conformance.checks.registry.check import (
     expected_failure,
 )
 from conformance.checks.registry.lookup import UnknownCheck, case_of, get, mesh_of
-from conformance.checks.registry.table import BUILTIN, CHECKS, ZOO
-from conformance.checks.registry.zoo import ENTRY_POINT_GROUP
+from conformance.checks.registry.table import BUILTIN
+from conformance.checks.registry.zoo import CHECK_ENTRY_POINT_GROUP, checks, installed
 
 __all__ = [
     "AXES",
     "BUILTIN",
-    "CHECKS",
-    "ENTRY_POINT_GROUP",
+    "CHECK_ENTRY_POINT_GROUP",
     "Check",
     "ExpectedFailure",
     "Param",
     "UnknownCheck",
     "Where",
-    "ZOO",
     "case_of",
+    "checks",
     "expected_failure",
     "get",
+    "installed",
     "mesh_of",
 ]

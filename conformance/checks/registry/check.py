@@ -114,15 +114,22 @@ class Check:
     def area(self) -> str:
         """Its area: its module in :mod:`conformance.checks` (``training``, ``decode``, ...).
 
-        ``user`` for a user's own test.
+        ``zoo`` for a check a zoo registers, ``user`` for a user's own test.
         """
-        return "user" if self.run is None else self.run.__module__.rsplit(".", 1)[-1]
+        if self.run is None:
+            return "user"
+        if self.suite == ZOO_SUITE:
+            return ZOO_SUITE
+        return self.run.__module__.rsplit(".", 1)[-1]
 
     @property
     def suite_module(self) -> str:
         """The name of the suite module its test is collected from (``test_decode``)."""
         return "test_" + (self.suite or _AREA_SUITES.get(self.area, self.area))
 
+
+ZOO_SUITE = "zoo"
+"""The suite (and area) of every check a zoo registers: ``conformance.suite.test_zoo``."""
 
 _AREA_SUITES = {"training": "train_step", "invariance": "sharding_invariance"}
 """The suite module of an area whose name differs from its module of checks."""

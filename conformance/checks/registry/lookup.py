@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from conformance.checks.registry.check import Check
-from conformance.checks.registry.table import CHECKS
+from conformance.checks.registry.zoo import checks, installed
 from conformance.core.sharding import MeshSpec
 from conformance.runtime.case import Case
 
@@ -59,6 +59,9 @@ class UnknownCheck(LookupError):
 
 def get(name: str) -> Check:
     """The registered check called ``name``; :class:`UnknownCheck` lists the known ones."""
-    if name not in CHECKS:
-        raise UnknownCheck(f"unknown check {name!r}; known checks: {', '.join(sorted(CHECKS))}")
-    return CHECKS[name]
+    registered = checks()
+    if name not in registered:
+        known = ", ".join(sorted(registered))
+        problems = "".join(f"; {problem}" for problem in installed().problems)
+        raise UnknownCheck(f"unknown check {name!r}; known checks: {known}{problems}")
+    return registered[name]

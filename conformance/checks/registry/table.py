@@ -20,7 +20,6 @@ from conformance.checks import (
     training,
 )
 from conformance.checks.registry.check import Check, Param
-from conformance.checks.registry.zoo import zoo_checks
 from conformance.contract import Family
 from conformance.runtime import aqt as aqt_runtime
 from conformance.runtime import quant
@@ -386,10 +385,3 @@ BUILTIN: dict[str, Check] = {
     )
 }
 """The checks this package ships, by name."""
-
-ZOO = zoo_checks(BUILTIN)
-"""The checks installed zoos register (:mod:`conformance.checks.registry.zoo`), and why
-an entry point could not."""
-
-CHECKS: dict[str, Check] = {**BUILTIN, **ZOO.checks}
-"""Every registered check, by name: the built-in ones, then the zoos'."""

@@ -5,22 +5,28 @@ name is the entry point's. Such a check runs like a built-in one (parametrized f
 entry, skipped where a family lacks what it needs, a row of the matrix and the reports)
 and is collected from ``conformance.suite.test_zoo``. An entry point that does not load,
 gives something else, or clashes with another check is a problem the plugin reports as
-a usage error before any test; the checks that load still register.
+a usage error before any test.
+
+The entry points are loaded once, when :func:`checks` is first called: in a pytest run,
+after the plugin has configured JAX's devices, so a zoo module that touches JAX at
+import sees them. A zoo's check module may import anything of the harness.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 from typing import NamedTuple
 
-from conformance.checks.registry.check import AXES, Check
+from conformance.checks.registry.check import AXES, ZOO_SUITE, Check
+from conformance.checks.registry.table import BUILTIN
 
-ENTRY_POINT_GROUP = "conformance.checks"
+CHECK_ENTRY_POINT_GROUP = "conformance.checks"
 
-ZOO_SUITE = "zoo"
-"""The suite module every zoo check is collected from: ``conformance.suite.test_zoo``."""
+_MESH_AXIS = {"each": "mesh", "topology": "topology", "tpu": "tpu"}
+"""The axis a check's ``where`` takes its mesh from."""
 
 
 def _problem(entry: EntryPoint, found: object, taken: Mapping[str, Check]) -> str | None:
@@ -34,10 +40,21 @@ def _problem(entry: EntryPoint, found: object, taken: Mapping[str, Check]) -> st
         return f"{where}: a check called {found.name!r} is already registered"
     if found.run is None:
         return f"{where}: the check has no function to run"
-    if unknown := [axis for axis in found.axes if axis not in AXES]:
+    axes = list(found.axes)
+    if unknown := [axis for axis in axes if axis not in AXES]:
         return f"{where}: unknown axes {unknown}; axes are {', '.join(AXES)}"
-    if list(found.axes) != sorted(found.axes, key=AXES.index):
-        return f"{where}: axes {list(found.axes)} are not in test-id order ({', '.join(AXES)})"
+    if axes != sorted(set(axes), key=AXES.index):
+        return f"{where}: axes {axes} are not each once in test-id order ({', '.join(AXES)})"
+    if axes[:1] != ["family"]:
+        return f"{where}: its axes must start with 'family'"
+    if (axis := _MESH_AXIS.get(found.where)) and axis not in axes:
+        return f"{where}: a check run where={found.where!r} needs the axis {axis!r}"
+    if found.references and "recorded" not in axes:
+        return f"{where}: a check of recorded references needs the axis 'recorded'"
+    if extra := [axis for axis in found.given if axis not in axes]:
+        return f"{where}: given axes {extra} are not among its axes"
+    if clash := [name for name, _ in found.params if name in AXES]:
+        return f"{where}: parameters {clash} are named like axes"
     return None
 
 
@@ -59,7 +76,7 @@ def zoo_checks(
     is filed under :data:`ZOO_SUITE`; none replaces a built-in or another zoo's check.
     """
     if entries is None:
-        entries = entry_points(group=ENTRY_POINT_GROUP)
+        entries = entry_points(group=CHECK_ENTRY_POINT_GROUP)
     checks: dict[str, Check] = {}
     problems: list[str] = []
     for entry in sorted(entries, key=lambda e: (e.name, e.value)):
@@ -75,3 +92,14 @@ def zoo_checks(
             continue
         checks[found.name] = dataclasses.replace(found, suite=ZOO_SUITE)
     return ZooChecks(checks, tuple(problems))
+
+
+@functools.cache
+def installed() -> ZooChecks:
+    """The checks the installed zoos register, loaded once, on first use."""
+    return zoo_checks(BUILTIN)
+
+
+def checks() -> dict[str, Check]:
+    """Every registered check, by name: the built-in ones, then the installed zoos'."""
+    return {**BUILTIN, **installed().checks}
