@@ -154,12 +154,18 @@ def test_the_zoos_own_check_runs_on_every_family(zoo_run):
         assert "logits_bounded" in checks_run(junit, family), family
 
 
-def test_the_zoos_own_check_fails_naming_the_side_and_the_bound(tmp_path):
-    site, project = tmp_path / "site", tmp_path / "project"
+def zoo_project(root: Path) -> tuple[Path, Path]:
+    """``(site, project)`` under ``root``: the zoo installed, a project without goldens."""
+    site, project = root / "site", root / "project"
     site.mkdir()
     project.mkdir()
     install_zoo(site)
     (project / "pytest.ini").write_text("[pytest]\nconformance_builtin_families = false\n")
+    return site, project
+
+
+def test_the_zoos_own_check_fails_naming_the_side_and_the_bound(tmp_path):
+    site, project = zoo_project(tmp_path)
     env = {"TOYZOO_LOGIT_BOUND": "1e-6"}
     run = run_suite(project, site, tmp_path / "run.xml", "-k", "logits_bounded", env=env)
     assert run.returncode == 1, run.stdout[-5000:] + run.stderr[-3000:]
@@ -168,11 +174,7 @@ def test_the_zoos_own_check_fails_naming_the_side_and_the_bound(tmp_path):
 
 
 def test_a_check_entry_point_that_is_not_a_check_is_a_usage_error(tmp_path):
-    site, project = tmp_path / "site", tmp_path / "project"
-    site.mkdir()
-    project.mkdir()
-    install_zoo(site)
-    (project / "pytest.ini").write_text("[pytest]\nconformance_builtin_families = false\n")
+    site, project = zoo_project(tmp_path)
     points = site / "toyzoo-0.1.dist-info" / "entry_points.txt"
     points.write_text(points.read_text().replace("checks:LOGITS_BOUNDED", "checks:LOGIT_BOUND"))
     run = run_suite(project, site, tmp_path / "run.xml", "--collect-only")
