@@ -211,11 +211,11 @@ def divergence_problems(
     own = own or {}
     meshes = (*run.meshes, *(parse_mesh(m) for m in DEFAULT_MESHES))
     wider = dataclasses.replace(run, meshes=tuple(dict.fromkeys(meshes)))
-    found = []
+    found, registered = [], checks()
     for key in family.known_divergences:
         name, bracket, fragment = key.partition("[")
         fragment = fragment.removesuffix("]")
-        if name in (registered := checks()):
+        if name in registered:
             ids = {p.id for p in plan(registered[name], family, wider)}
         elif name in own:
             ids = own[name]

@@ -131,10 +131,9 @@ def _refuse_unknown_divergences(run: Settings, items: list[pytest.Item]) -> None
     The run's own tests (a zoo's, over the plugin's axes) count as checks too.
     """
     own: dict[str, set[str]] = {}
+    registered = registry.checks()
     for item in items:
-        if (
-            planned := planned_of(item)
-        ) is not None and planned.check.name not in registry.checks():
+        if (planned := planned_of(item)) is not None and planned.check.name not in registered:
             own.setdefault(planned.check.name, set()).add(planned.id)
     problems = [line for family in run.families for line in divergence_problems(family, run, own)]
     if problems:

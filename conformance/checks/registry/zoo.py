@@ -18,6 +18,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
 from typing import NamedTuple
 
 from conformance.checks.registry.check import AXES, ZOO_SUITE, Check
@@ -100,6 +101,10 @@ def installed() -> ZooChecks:
     return zoo_checks(BUILTIN)
 
 
-def checks() -> dict[str, Check]:
-    """Every registered check, by name: the built-in ones, then the installed zoos'."""
-    return {**BUILTIN, **installed().checks}
+@functools.cache
+def checks() -> Mapping[str, Check]:
+    """Every registered check, by name: the built-in ones, then the installed zoos'.
+
+    Made once, read-only: a run asks for it once per test and per declared divergence.
+    """
+    return MappingProxyType({**BUILTIN, **installed().checks})
