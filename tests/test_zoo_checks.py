@@ -1,10 +1,11 @@
 """A zoo's own checks register through entry points, and a broken one is named, not run."""
 
 import dataclasses
+import sys
 from importlib.metadata import EntryPoint
 
+from conformance.checks.declare import ZOO_SUITE, Axis, checks_of, declare, declared, unfit
 from conformance.checks.registry import BUILTIN, CHECK_ENTRY_POINT_GROUP, Check
-from conformance.checks.registry.check import ZOO_SUITE
 from conformance.checks.registry.zoo import zoo_checks
 from conformance.checks.structure import check_structure
 
@@ -16,6 +17,12 @@ TWICE = dataclasses.replace(GOOD, name="twice", axes=("family", "family"))
 NO_FAMILY = dataclasses.replace(GOOD, name="no_family", axes=("size",))
 NO_MESH = dataclasses.replace(GOOD, name="no_mesh", where="each")
 GIVEN = dataclasses.replace(GOOD, name="given", given=("dtype",))
+
+
+@declare((Axis.FAMILY, Axis.SIZE, Axis.SCAN_LAYERS), where="none")
+@declare((Axis.FAMILY,), name="zoo_twin", where="none", pair=False)
+def check_zoo_declared(case):
+    """Declared twice: as ``zoo_declared`` and as ``zoo_twin``."""
 
 
 def _entry(name: str, attribute: str) -> EntryPoint:
@@ -66,3 +73,26 @@ def test_two_zoos_cannot_register_one_name():
         f"check entry point 'zoo_structure' = '{__name__}:GOOD': a check called "
         "'zoo_structure' is already registered",
     )
+
+
+def test_declare_returns_the_function_and_names_each_check_in_source_order():
+    first, second = checks_of(check_zoo_declared)
+    assert (first.name, second.name) == ("zoo_declared", "zoo_twin")
+    assert first.run is second.run is check_zoo_declared
+    assert (first.axes, second.pair) == ((Axis.FAMILY, Axis.SIZE, Axis.SCAN_LAYERS), False)
+    assert declared(sys.modules[__name__]) == (first, second)
+
+
+def test_an_entry_point_names_a_declared_function_by_its_check():
+    entries = [_entry("zoo_twin", "check_zoo_declared"), _entry("other", "check_zoo_declared")]
+    checks, problems = zoo_checks(BUILTIN, entries)
+    assert list(checks) == ["zoo_twin"]
+    assert checks["zoo_twin"].pair is False
+    assert problems == (
+        f"check entry point 'other' = '{__name__}:check_zoo_declared' gave the check "
+        "'zoo_declared', 'zoo_twin': name the entry point after its check",
+    )
+
+
+def test_every_built_in_check_is_held_to_the_rules_a_zoo_check_is():
+    assert {name: unfit(check) for name, check in BUILTIN.items() if unfit(check)} == {}

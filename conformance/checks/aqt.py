@@ -11,11 +11,13 @@ the convert forward exactly.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 
+from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import (
     Rerun,
     agreed_specs,
@@ -33,7 +35,7 @@ from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import PathMapError, map_paths, structure_diff
-from conformance.runtime.aqt import COLLECTION, AqtError
+from conformance.runtime.aqt import COLLECTION, AqtError, known_failure
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Aqt, Side, live_pair
 
@@ -61,6 +63,11 @@ def aqt_pair(case: Case) -> tuple[Aqt, Aqt, dict[str, str]]:
     return a, b, mapping
 
 
+def _known_failure(values: Mapping[str, Any]) -> str | None:
+    return known_failure("aqt_layout", values["scan_layers"])
+
+
+@declare(ON_MESH, capability="aqt")
 def check_aqt_forward(case: Case) -> None:
     """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float.
 
@@ -105,6 +112,7 @@ def check_aqt_forward(case: Case) -> None:
         error_bound(where, logits, reference, AQT_MAX_ERROR)
 
 
+@declare(ON_MESH, capability="aqt")
 def check_aqt_train_step(case: Case) -> None:
     """TRAIN-mode train steps agree across backends (loss, gradients, whole state).
 
@@ -137,6 +145,13 @@ def _kernel_less(
     return problems
 
 
+@declare(
+    ON_MESH,
+    devices=False,
+    capability="aqt",
+    golden=True,
+    known_failure=_known_failure,
+)
 def check_aqt_layout(case: Case) -> dict[str, Any]:
     """The frozen kernels and serve parameters have one layout across backends.
 
@@ -183,6 +198,7 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
     }
 
 
+@declare(ON_MESH, capability="aqt")
 def check_aqt_convert(case: Case) -> None:
     """CONVERT freezes the same kernels on both backends and leaves each forward unchanged.
 
@@ -210,6 +226,7 @@ def check_aqt_convert(case: Case) -> None:
             fail(failed(title, [found], ("TRAIN", "CONVERT")))
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", capability="aqt", workdir=True)
 def check_aqt_serve(case: Case, workdir: Path) -> None:
     """A converted serve tree survives orbax, and SERVE from it equals CONVERT, per backend.
 

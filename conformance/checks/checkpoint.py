@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from conformance.checks.declare import BACKENDS, ON_MESH, SIDE_VALUES, Axis, Param, declare
 from conformance.checks.kernel import (
     DROPOUT_RATE,
     misplaced,
@@ -68,6 +69,25 @@ def byte_differences(first: Flat, second: Flat) -> list[str]:
     return lines
 
 
+_CONVERSIONS = (
+    (
+        "layouts",
+        tuple(
+            Param(f"{source}-{target}", (s, t), layouts=(s, t))
+            for (source, s), (target, t) in (
+                (("loop", False), ("loop", False)),
+                (("scan", True), ("scan", True)),
+                (("loop", False), ("scan", True)),
+                (("scan", True), ("loop", False)),
+            )
+        ),
+    ),
+    ("source", SIDE_VALUES),
+)
+"""A conversion's parameters: the layer layouts it converts between, and its source."""
+
+
+@declare(ON_MESH, BACKENDS, workdir=True, saved_on=True, pair=False)
 def check_checkpoint_roundtrip(case: Case, backend: str, saved_on: Case, workdir: Path) -> None:
     """A train state saved with orbax restores byte-exact, with its dtypes.
 
@@ -87,6 +107,7 @@ def check_checkpoint_roundtrip(case: Case, backend: str, saved_on: Case, workdir
     fail_if_any(f"{where}: shardings not as asked", misplaced(restored, shardings))
 
 
+@declare((Axis.FAMILY,), _CONVERSIONS, where="primary", workdir=True)
 def check_checkpoint_conversion(
     case: Case, source: str, layouts: tuple[bool, bool], workdir: Path
 ) -> None:
@@ -166,6 +187,7 @@ def check_checkpoint_conversion(
     fail_if_any(f"round trip {what} and back is not byte-exact", byte_differences(state, back))
 
 
+@declare((Axis.FAMILY,), BACKENDS, where="primary", workdir=True, pair=False, suite="train_step")
 def check_resume(case: Case, backend: str, workdir: Path) -> None:
     """Twice :data:`RESUME_STEPS` steps straight equal a resumed run, exactly.
 
@@ -209,6 +231,7 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
             fail(failed(title, mismatches, ("straight", "resumed")) + rerun_note())
 
 
+@declare((Axis.FAMILY,), where="primary", workdir=True, suite="train_step")
 def check_resume_conversion(case: Case, workdir: Path) -> None:
     """Linen's steps, saved, converted to NNX and continued there, equal Linen's straight.
 

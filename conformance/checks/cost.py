@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.checks.declare import Axis, declare
 from conformance.checks.kernel import train_pair
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
@@ -58,6 +59,12 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
     return found
 
 
+@declare(
+    (Axis.FAMILY, Axis.SCAN_LAYERS),
+    where="primary",
+    golden=True,
+    golden_by_platform=True,
+)
 def check_cost(case: Case) -> dict[str, Any]:
     """NNX's forward, train and decode steps cost at most ``BUDGET`` of Linen's, alike.
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
+from conformance.checks.declare import ON_MESH, declare
 from conformance.checks.kernel import (
     agreed_specs,
     attributed,
@@ -46,6 +47,7 @@ def decoders(case: Case) -> tuple[Decoder, Decoder]:
         fail(str(err))
 
 
+@declare(ON_MESH, capability="decode", golden=True)
 def check_decode_cache(case: Case) -> dict[str, Any]:
     """Both sides' caches have the same leaves, shapes, dtypes and PartitionSpecs.
 
@@ -149,6 +151,7 @@ def _step_title(mismatch: Mismatch, lengths: np.ndarray, step: int) -> str:
     return f"decode step {step} of {DECODE_STEPS} (row {row} at position {lengths[row] + step})"
 
 
+@declare(ON_MESH, capability="decode")
 def check_decode_consistency(case: Case) -> None:
     """On each backend, prefill and every decode step reproduce the full forward's logits.
 
@@ -181,6 +184,7 @@ def check_decode_consistency(case: Case) -> None:
                 fail(report(f"{title} vs the full forward", [found], names))
 
 
+@declare(ON_MESH, capability="decode")
 def check_decode(case: Case) -> None:
     """Linen and NNX agree at prefill and at every decode step, and generate the same tokens.
 

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import forward_attribution, param_map
 from conformance.core.failure import fail
 from conformance.core.numerics import (
@@ -80,6 +81,7 @@ def _measure_forward(
     )
 
 
+@declare((*ON_MESH, Axis.DTYPE))
 def check_forward(case: Case) -> None:
     """Logits agree after transplanting Linen -> NNX and NNX -> Linen on the case's mesh.
 
@@ -123,3 +125,4 @@ def check_forward(case: Case) -> None:
             report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
             + f"\n  {where}\n  {moved}"
         )
+

@@ -24,6 +24,7 @@ one-ulp nudge moves the one-device run to the mesh's value there.
 
 from __future__ import annotations
 
+from conformance.checks.declare import BACKENDS, ON_MESH, declare
 from conformance.checks.kernel import step_tree, train_pair
 from conformance.core.failure import fail
 from conformance.core.numerics import compare_trees, report
@@ -82,6 +83,7 @@ def _on_mesh(case: Case) -> dict[str, Flat]:
     return _results(case, start)[1]
 
 
+@declare(ON_MESH, BACKENDS, pair=False)
 def check_sharding_invariance(case: Case, backend: str) -> None:
     """``backend`` on the case's mesh gives its one-device logits, loss, gradients and state.
 

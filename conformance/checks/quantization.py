@@ -10,12 +10,14 @@ no more than the mode's stated bound.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 from flax import nnx
 
+from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import (
     Rerun,
     agreed_specs,
@@ -27,6 +29,7 @@ from conformance.checks.kernel import (
     shared_params,
     train_step_parity,
 )
+from conformance.contract import Family
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, Mismatch, compare_arrays, compare_trees
@@ -39,7 +42,7 @@ from conformance.core.trees import (
     variable_kind,
 )
 from conformance.runtime.case import Case
-from conformance.runtime.quant import MODES, unused_rules
+from conformance.runtime.quant import MODES, known_failure, unused_rules
 from conformance.runtime.sides import Side, live_pair
 
 TOPOLOGY_MODE = "qat_fp8"
@@ -65,6 +68,19 @@ def quantized_pair(case: Case) -> tuple[Side, Side, dict[str, str]]:
     return linen, nnx_, mapping
 
 
+def _known_failure(values: Mapping[str, Any]) -> str | None:
+    if values["quant"] is None:  # the family declares no mode: the test skips
+        return None
+    return known_failure(values["quant"], values["scan_layers"])
+
+
+def _declares_topology_mode(family: Family) -> str | None:
+    if TOPOLOGY_MODE in family.capabilities.quantization:
+        return None
+    return f"{family.name} does not declare {TOPOLOGY_MODE}"
+
+
+@declare((*ON_MESH, Axis.QUANT), devices=False, golden=True)
 def check_quant_params(case: Case) -> dict[str, Any]:
     """The quantized parameter trees agree across backends in paths, shapes, dtypes and specs.
 
@@ -92,6 +108,7 @@ def check_quant_params(case: Case) -> dict[str, Any]:
     }
 
 
+@declare((*ON_MESH, Axis.QUANT), known_failure=_known_failure)
 def check_quant_forward(case: Case) -> None:
     """Linen and NNX quantized forwards agree, and each stays within the mode's error bound.
 
@@ -170,6 +187,7 @@ def _nnx_transients(model: nnx.Module, allowed: set[type]) -> list[str]:
     ]
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS, Axis.QUANT), where="primary", devices=False)
 def check_quant_hygiene(case: Case) -> None:
     """Quantizing leaves nothing transient behind, and every leaf has a sharding.
 
@@ -205,6 +223,12 @@ def check_quant_hygiene(case: Case) -> None:
             )
 
 
+@declare(
+    (Axis.FAMILY, Axis.FULL_SIZE, Axis.TOPOLOGY),
+    where="topology",
+    devices=False,
+    requires=_declares_topology_mode,
+)
 def check_quant_hygiene_topology(case: Case) -> None:
     """:func:`check_quant_hygiene` on a production size, abstractly, in :data:`TOPOLOGY_MODE`.
 
@@ -213,6 +237,7 @@ def check_quant_hygiene_topology(case: Case) -> None:
     check_quant_hygiene(case.quantized(TOPOLOGY_MODE))
 
 
+@declare((*ON_MESH, Axis.QUANT), quant_method="qat")
 def check_qat_train_step(case: Case) -> None:
     """Both sides train the QAT-quantized model alike for several steps (the train-step check).
 
@@ -222,6 +247,12 @@ def check_qat_train_step(case: Case) -> None:
     train_step_parity(case, "qat_train_step", case.quantized(None))
 
 
+@declare(
+    (Axis.FAMILY, Axis.SCAN_LAYERS, Axis.QUANT),
+    where="primary",
+    quant_method="ptq",
+    workdir=True,
+)
 def check_quant_checkpoint(case: Case, workdir: Path) -> None:
     """Quantized parameters survive an orbax save and a strict restore, on each backend.
 

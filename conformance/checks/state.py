@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from conformance.checks.declare import Axis, declare
 from conformance.contract import Batch
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.trees import flatten_state, specs, variable_kind
@@ -72,6 +73,7 @@ def _persistent(model: nnx.Module) -> dict[str, Any]:
     return {path: var.get_value() for path, var in flatten_state(state).items()}
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="none", devices=False, workdir=True, pair=False)
 def check_state_hygiene(case: Case, workdir: Path) -> None:
     """Running the NNX model outside training leaves its state as it was built.
 

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import agreed_specs, misplaced, param_map
+from conformance.contract import Family
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
@@ -25,6 +27,20 @@ INIT_Z = 6.0
 """Init check bound: per-leaf means and stds may differ by this many standard errors."""
 
 
+def _declares_bridges(family: Family) -> str | None:
+    """Why ``family`` cannot run ``provenance``: it declares no ``expected_bridges``."""
+    if family.expected_bridges is None:
+        return f"{family.name} declares no expected_bridges (Family.expected_bridges)"
+    return None
+
+
+@declare(
+    (Axis.FAMILY, Axis.SIZE, Axis.SCAN_LAYERS),
+    where="none",
+    devices=False,
+    golden=True,
+    pair=False,
+)
 def check_structure(case: Case) -> dict[str, Any]:
     """Both sides have the same leaves, shapes and dtypes after the path map.
 
@@ -54,6 +70,13 @@ SIDE_BRIDGE = {"linen": "ToLinen", "nnx": "ToNNX"}
 """The bridge that runs the other backend's code inside each side, by backend id."""
 
 
+@declare(
+    (Axis.FAMILY, Axis.SCAN_LAYERS),
+    where="none",
+    devices=False,
+    pair=False,
+    requires=_declares_bridges,
+)
 def check_provenance(case: Case) -> None:
     """Each side runs as many bridged modules as the family declares (``expected_bridges``).
 
@@ -81,6 +104,16 @@ def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]
     return side, side.runner.logical, side.runner.specs
 
 
+@declare(ON_MESH, golden=True, pair=False, suite="sharding")
+@declare(
+    (Axis.FAMILY, Axis.FULL_SIZE, Axis.TOPOLOGY, Axis.SCAN_LAYERS),
+    name="sharding_topology",
+    where="topology",
+    devices=False,
+    golden=True,
+    pair=False,
+    suite="sharding",
+)
 def check_sharding(case: Case) -> dict[str, Any]:
     """Both sides resolve to the same PartitionSpec per leaf, and every split is even.
 
@@ -123,6 +156,7 @@ def _check_placement(side: Side, specs: Mapping[str, PartitionSpec]) -> None:
     fail_if_any(f"{side.name} arrays placed off their specs", misplaced(params, shardings))
 
 
+@declare(ON_MESH, suite="init")
 def check_init(case: Case) -> None:
     """Per-leaf mean and std of the two sides' initial values agree within :data:`INIT_Z`.
 

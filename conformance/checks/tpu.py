@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from conformance.checks.declare import Axis, declare
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
@@ -117,6 +118,7 @@ def _not_fitting(side: Side, program: str, tpu: TpuCompile, footprint: int) -> s
     )
 
 
+@declare((Axis.FAMILY, Axis.TPU), where="tpu", devices=False, golden=True, given=(Axis.TPU,))
 def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     """Linen's and NNX's programs compiled for ``tpu``'s slice cost alike, and both fit.
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from conformance.checks.declare import ON_MESH, Axis, Param, declare
 from conformance.checks.kernel import (
     DROPOUT_RATE,
     misplaced,
@@ -23,6 +24,7 @@ from conformance.checks.kernel import (
     train_pair,
     train_step_parity,
 )
+from conformance.contract import Family
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, tolerance_for
@@ -53,10 +55,29 @@ VOCAB_TILES = 4
 PERSISTENT = (nnx.Param, nnx.OptState)
 """Variable types allowed in an NNX train state (optimizer variables subclass OptState)."""
 
-LAYOUT_VARIANTS = ("remat", "scan_layers")
-"""Variants :func:`check_layout` compares with the plain layout."""
+LAYOUT_VARIANTS = (
+    Param("remat", "remat", capability="remat"),
+    Param("scan_layers", "scan_layers", layouts=(True,)),
+)
+"""Variants :func:`check_layout` compares with the plain layout, and what each needs."""
 
 
+def _additive_loss(family: Family) -> str | None:
+    """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot.
+
+    Only a family whose own configs sow auxiliary losses (:attr:`Family.sows_aux_losses`).
+    """
+    if family.sows_aux_losses:
+        names = family.capabilities.aux_losses
+        return (
+            f"{family.name} sows auxiliary losses ({', '.join(names)}) that may be computed "
+            "from batch statistics: accumulated over micro-batches they are computed per "
+            "micro-batch, so the step need not equal the whole batch's"
+        )
+    return None
+
+
+@declare(ON_MESH)
 def check_train_step(case: Case) -> None:
     """Linen and NNX agree for :data:`~conformance.checks.kernel.STEPS` steps.
 
@@ -65,6 +86,7 @@ def check_train_step(case: Case) -> None:
     train_step_parity(case, "train_step")
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", capability="fp8")
 def check_fp8_train_step(case: Case) -> None:
     """:func:`check_train_step` on the family's FP8 config (:meth:`Family.fp8_config`).
 
@@ -124,6 +146,7 @@ def _step_variant(case: Case, names: tuple[str, str], variant: Mapping[str, Any]
     )
 
 
+@declare(ON_MESH, requires=_additive_loss)
 def check_grad_accumulation(case: Case) -> None:
     """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
 
@@ -133,6 +156,7 @@ def check_grad_accumulation(case: Case) -> None:
     _step_variant(case, names, {"micro_batches": MICRO_BATCHES})
 
 
+@declare(ON_MESH, capability="vocab_tiling")
 def check_vocab_tiling(case: Case) -> None:
     """One step with a :data:`VOCAB_TILES`-tiled loss equals the untiled step.
 
@@ -195,6 +219,7 @@ def _layout_steps(
     return start, ((convert(state_a), loss_a, convert(grads_a)), varied_step)
 
 
+@declare((Axis.FAMILY, Axis.MESH), (("variant", LAYOUT_VARIANTS),), layouts=(False,))
 def check_layout(case: Case, variant: str) -> None:
     """A variant that must not change numerics does not: ``remat`` or ``scan_layers``.
 
@@ -205,8 +230,8 @@ def check_layout(case: Case, variant: str) -> None:
     stacked with the family's :meth:`~conformance.contract.Family.layer_stack_rules`.
     A failure also says whether each layout agrees with itself on one device.
     """
-    if variant not in LAYOUT_VARIANTS:
-        raise ValueError(f"unknown layout variant {variant!r}; use one of {LAYOUT_VARIANTS}")
+    if variant not in (names := [v.value for v in LAYOUT_VARIANTS]):
+        raise ValueError(f"unknown layout variant {variant!r}; use one of {names}")
     family = case.family
     plain_case = Case.of(family, case.size, scan_layers=False, mesh=case.mesh, devices=case.devices)
     if variant == "remat":
@@ -246,6 +271,7 @@ def _nnx_transients(state: nnx.State, declared: tuple[type, ...]) -> list[str]:
     ]
 
 
+@declare(ON_MESH)
 def check_hygiene(case: Case) -> None:
     """A step returns exactly the state it was given: nothing transient, nothing lost.
 
@@ -286,6 +312,7 @@ def check_hygiene(case: Case) -> None:
         )
 
 
+@declare(ON_MESH, devices=False, golden=True)
 def check_optimizer_sharding(case: Case) -> dict[str, Any]:
     """Both sides shard every optimizer-state leaf alike, and evenly; returns the golden.
 
@@ -325,6 +352,7 @@ def check_optimizer_sharding(case: Case) -> dict[str, Any]:
     }
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", capability="dropout")
 def check_dropout(case: Case) -> None:
     """With dropout on, each backend trains deterministically for a fixed seed.
 
@@ -363,6 +391,7 @@ def _dropout_losses(side: Side, params: Flat, batch: Any) -> list[float]:
     return losses
 
 
+@declare(ON_MESH, capability="aux_losses")
 def check_aux_losses(case: Case) -> None:
     """The auxiliary losses a family sows reach the training loss, alike on both backends.
 

@@ -30,7 +30,7 @@ toy-lm = toyzoo.families:ToyLm
 toy-moe = toyzoo.families:ToyMoe
 
 [conformance.checks]
-logits_bounded = toyzoo.checks:LOGITS_BOUNDED
+logits_bounded = toyzoo.checks:check_logits_bounded
 """
 
 

@@ -1,4 +1,4 @@
-"""Every check of the suite in one table: its name, what it runs on, what it needs.
+"""Every check of the suite in one table, collected from what each area module declares.
 
 The table drives the suite: the pytest plugin parametrizes each suite test from its
 :class:`Check` (axes, parameters, capability, layouts, quantization method), marks the
@@ -9,20 +9,15 @@ name. The planted-fault runner calls checks through it too. A check is called wi
 raises is headed ``<family> <check>:``.
 """
 
-from conformance.checks.registry.check import (
-    AXES,
-    Check,
-    ExpectedFailure,
-    Param,
-    Where,
-    expected_failure,
-)
+from conformance.checks.declare import AXES, Axis, Check, Param, Where, declare
+from conformance.checks.registry.expected import ExpectedFailure, expected_failure
 from conformance.checks.registry.lookup import UnknownCheck, case_of, get, mesh_of
 from conformance.checks.registry.table import BUILTIN
 from conformance.checks.registry.zoo import CHECK_ENTRY_POINT_GROUP, checks, installed
 
 __all__ = [
     "AXES",
+    "Axis",
     "BUILTIN",
     "CHECK_ENTRY_POINT_GROUP",
     "Check",
@@ -32,6 +27,7 @@ __all__ = [
     "Where",
     "case_of",
     "checks",
+    "declare",
     "expected_failure",
     "get",
     "installed",

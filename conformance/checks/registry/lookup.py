@@ -7,7 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from conformance.checks.registry.check import Check
+from conformance.checks.declare import Check
 from conformance.checks.registry.zoo import checks, installed
 from conformance.core.sharding import MeshSpec
 from conformance.runtime.case import Case

@@ -10,7 +10,7 @@ import os
 
 import jax.numpy as jnp
 
-from conformance.checks.registry import Check
+from conformance.checks.declare import Axis, declare
 from conformance.core.failure import fail
 from conformance.runtime.case import Case
 from conformance.runtime.sides import live_sides
@@ -19,6 +19,7 @@ LOGIT_BOUND = 30.0
 """The largest |logit| the zoo's models may give from their initial parameters."""
 
 
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", pair=False)
 def check_logits_bounded(case: Case) -> None:
     """Every live side's logits from its own initial parameters stay within the bound."""
     bound = float(os.environ.get("TOYZOO_LOGIT_BOUND", LOGIT_BOUND))
@@ -28,12 +29,3 @@ def check_logits_bounded(case: Case) -> None:
         worst = float(jnp.max(jnp.abs(logits)))
         if worst > bound:
             fail(f"{side.name} logits reach |{worst:.4g}|, over the zoo's bound {bound:g}")
-
-
-LOGITS_BOUNDED = Check(
-    "logits_bounded",
-    check_logits_bounded,
-    ("family", "scan_layers"),
-    where="primary",
-    pair=False,
-)

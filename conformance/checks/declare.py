@@ -1,28 +1,44 @@
-"""A check's registry entry: how it is parametrized, what it needs, how it is called."""
+"""How a check declares itself: the decorator on its function, and the entry it makes.
+
+A check is a function of a :class:`~conformance.runtime.case.Case` (and its own
+parameters) in an area module of :mod:`conformance.checks`. :func:`declare` on that
+function is the whole of its registration: its axes, parameters, what a family needs for
+it, its goldens and its known library failures sit above its body. The registry collects
+every declared check of the area modules (:func:`declared`); a zoo names a declared
+function (or a :class:`Check`) in an entry point.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any, Literal, TypeVar
 
 from conformance.checks import raised
 from conformance.contract import Family
 from conformance.core.failure import CheckFailure, checking, fail
 from conformance.runtime.case import Case
+from conformance.runtime.sides import SIDES
 
-AXES = (
-    "family",
-    "size",
-    "full_size",
-    "mesh",
-    "topology",
-    "tpu",
-    "scan_layers",
-    "dtype",
-    "quant",
-    "recorded",
-)
+
+class Axis(enum.StrEnum):
+    """An axis a test can be parametrized over; it compares equal to its fixture name."""
+
+    FAMILY = "family"
+    SIZE = "size"
+    FULL_SIZE = "full_size"
+    MESH = "mesh"
+    TOPOLOGY = "topology"
+    TPU = "tpu"
+    SCAN_LAYERS = "scan_layers"
+    DTYPE = "dtype"
+    QUANT = "quant"
+    RECORDED = "recorded"
+
+
+AXES: tuple[Axis, ...] = tuple(Axis)
 """The axes a test can be parametrized over, in test-id order."""
 
 Where = Literal["each", "primary", "topology", "tpu", "none"]
@@ -135,27 +151,89 @@ _AREA_SUITES = {"training": "train_step", "invariance": "sharding_invariance"}
 """The suite module of an area whose name differs from its module of checks."""
 
 
-@dataclasses.dataclass(frozen=True)
-class ExpectedFailure:
-    """Why a test is expected to fail: a strict xfail, optionally of one exception type."""
+F = TypeVar("F", bound=Callable[..., Any])
 
-    reason: str
-    raises: type[BaseException] | None = None
+_DECLARED = "__conformance_checks__"
+"""The attribute :func:`declare` keeps a function's checks in, in source order."""
 
 
-def expected_failure(
-    check: Check, family: Family, values: Mapping[str, Any], case_id: str
-) -> ExpectedFailure | None:
-    """Why ``check`` fails on this case: a known library failure or a family's divergence.
+def declare(
+    axes: tuple[Axis, ...],
+    params: tuple[tuple[str, tuple[Param, ...]], ...] = (),
+    *,
+    name: str | None = None,
+    **fields: Any,
+) -> Callable[[F], F]:
+    """Declare the decorated function a check, with ``axes``, ``params`` and ``fields``.
 
-    A known library failure must fail as a check failure; a divergence a family declares
-    (``Family.known_divergences``, keyed ``check`` or ``check[id fragment]``) may fail
-    any way, since it is the family's finding.
+    ``fields`` are :class:`Check`'s (``where``, ``capability``, ``golden``, ...). The check
+    is named ``name``, by default the function's name without ``check_``. The function is
+    returned unchanged; stacked, the decorators declare one check each, in source order.
     """
-    if check.known_failure is not None and (reason := check.known_failure(values)):
-        return ExpectedFailure(reason, CheckFailure)
-    for key, reason in family.known_divergences.items():
-        name, _, fragment = key.partition("[")
-        if name == check.name and fragment.removesuffix("]") in case_id:
-            return ExpectedFailure(f"{family.name} known divergence: {reason}")
+
+    def decorate(run: F) -> F:
+        found = Check(name or run.__name__.removeprefix("check_"), run, axes, params, **fields)
+        setattr(run, _DECLARED, (found, *getattr(run, _DECLARED, ())))
+        return run
+
+    return decorate
+
+
+def checks_of(obj: object) -> tuple[Check, ...]:
+    """The checks ``obj`` declares: itself if it is a :class:`Check`, else its decorations."""
+    if isinstance(obj, Check):
+        return (obj,)
+    return getattr(obj, _DECLARED, ())
+
+
+def declared(module: ModuleType) -> tuple[Check, ...]:
+    """The checks declared on ``module``'s own functions, in source order."""
+    return tuple(
+        found
+        for obj in vars(module).values()
+        if getattr(obj, "__module__", None) == module.__name__
+        for found in getattr(obj, _DECLARED, ())
+    )
+
+
+_MESH_AXIS = {"each": Axis.MESH, "topology": Axis.TOPOLOGY, "tpu": Axis.TPU}
+"""The axis a check's ``where`` takes its mesh from."""
+
+
+def unfit(check: Check) -> str | None:
+    """Why ``check`` cannot be parametrized as declared, in one line, or ``None``.
+
+    Built-in checks and a zoo's are held to the same rules: known axes, each once in
+    test-id order, starting with ``family``; the axis its ``where`` needs; ``given`` axes
+    among its axes; no parameter named like an axis.
+    """
+    if check.run is None:
+        return "the check has no function to run"
+    axes = list(check.axes)
+    if unknown := [axis for axis in axes if axis not in AXES]:
+        return f"unknown axes {unknown}; axes are {', '.join(AXES)}"
+    if axes != sorted(set(axes), key=AXES.index):
+        return (
+            f"axes {[str(a) for a in axes]} are not each once in test-id order ({', '.join(AXES)})"
+        )
+    if axes[:1] != [Axis.FAMILY]:
+        return "its axes must start with 'family'"
+    if (axis := _MESH_AXIS.get(check.where)) and axis not in axes:
+        return f"a check run where={check.where!r} needs the axis {str(axis)!r}"
+    if check.references and Axis.RECORDED not in axes:
+        return "a check of recorded references needs the axis 'recorded'"
+    if extra := [str(axis) for axis in check.given if axis not in axes]:
+        return f"given axes {extra} are not among its axes"
+    if clash := [name for name, _ in check.params if name in AXES]:
+        return f"parameters {clash} are named like axes"
     return None
+
+
+ON_MESH = (Axis.FAMILY, Axis.MESH, Axis.SCAN_LAYERS)
+"""The axes of a check run on each mesh, on each layer layout."""
+
+SIDE_VALUES = tuple(Param(backend, backend) for backend in SIDES)
+"""One value per backend: a check's ``backend`` parameter."""
+
+BACKENDS = (("backend", SIDE_VALUES),)
+"""The ``backend`` parameter of a check that tests each live backend alone."""
