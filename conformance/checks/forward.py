@@ -12,10 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import forward_attribution, param_map
-from conformance.core.failure import fail
+from conformance.core.distributed import host_array
+from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import (
     Mismatch,
     Tolerance,
@@ -27,7 +29,7 @@ from conformance.core.numerics import (
 from conformance.core.records import emit, emit_verdict, listening, measure
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.localise import Divergence, localise
-from conformance.runtime.sides import LinenSide, live_pair
+from conformance.runtime.sides import LinenSide, live_pair, live_sides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +128,31 @@ def check_forward(case: Case) -> None:
             + f"\n  {where}\n  {moved}"
         )
 
+
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", pair=False)
+def check_finite(case: Case) -> None:
+    """Every live side's logits from its own initial parameters are finite.
+
+    A comparison agrees where both sides give the same non-finite value, so a fault the
+    sides share (a layer both import, a config field both read) passes it; this check
+    names each side with non-finite logits, how many, and the first index.
+    """
+    batch = case.batch()
+    sides = live_sides(case)
+    found = []
+    for side in sides:
+        logits = host_array(side.forward(side.init(), batch)[0])
+        if (bad := ~np.isfinite(logits)).any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            found.append(
+                f"{side.name} logits: {int(bad.sum())} of {bad.size} non-finite, "
+                f"first at index {first}: {logits[first]}"
+            )
+    if found and len(found) == len(sides) > 1:
+        found.append(
+            "likely cause: something every side shares (a shared layer, the config, the "
+            "batch), not a Linen/NNX divergence"
+        )
+    elif found and len(sides) > 1:
+        found.append("likely cause: a divergence of that side alone (see the forward check)")
+    fail_if_any(f"non-finite logits on mesh {case.mesh.id}", found)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -47,6 +48,13 @@ class NanOnOneSide(NnxConfigFault, LlamaFamily):
     changes: ClassVar[dict[str, Any]] = {"norm_eps": -1.0}
 
 
+class NanOnBothSides(LlamaFamily):
+    """The config both sides read has a negative RMSNorm epsilon: NaN logits on both."""
+
+    def config(self, *args, **kwargs):
+        return dataclasses.replace(super().config(*args, **kwargs), norm_eps=-1.0)
+
+
 class RaisesOnNnx(LlamaFamily):
     """NNX block 1's MLP output projection contracts two input axes: its forward raises."""
 
@@ -87,6 +95,21 @@ FAULTS = (
         size="small",
     ),
     Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),
+    Fault(
+        NanOnOneSide(),
+        "finite",
+        ("NNX logits: ", "non-finite, first at index (0, 0, 0): nan", "of that side alone"),
+    ),
+    Fault(
+        NanOnBothSides(),
+        "finite",
+        (
+            "llama finite: non-finite logits on mesh",
+            "Linen logits: ",
+            "NNX logits: ",
+            "likely cause: something every side shares",
+        ),
+    ),
     Fault(
         RaisesOnNnx(),
         "forward",
