@@ -26,6 +26,10 @@ SEAMS: Mapping[str, str] = MappingProxyType(
         "loss (the harness's masked next-token cross entropy)",
         "nnx_accumulate": "``(grad_fn, batch, micro_batches, sharding) -> summed outputs``: "
         "how an NNX train step sums its micro-batches",
+        "linen_loss": "``(logits, batch) -> (loss sum, target count)``: the Linen train "
+        "step's loss (the harness's masked next-token cross entropy)",
+        "linen_accumulate": "``(grad_fn, batch, micro_batches, sharding) -> summed "
+        "outputs``: how a Linen train step sums its micro-batches",
         "nnx_train_state": "``(model, tx) -> nnx.Module``: the class of the NNX train state "
         "(model and optimizer)",
         "decode_positions": "``(lengths, step) -> positions [rows, 1]``: the positions the "

@@ -91,7 +91,11 @@ def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any) -
 
 
 class LinenTrainer:
-    """Linen train state (a nested dict) and its step, for one family config."""
+    """Linen train state (a nested dict) and its step, for one family config.
+
+    Its loss and accumulation are the seams ``linen_loss`` and ``linen_accumulate``
+    (:mod:`conformance.core.seams`), read when the trainer is built.
+    """
 
     def __init__(
         self,
@@ -119,6 +123,9 @@ class LinenTrainer:
         self.streams = family.train_rngs
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
+        predicts = family.logits_predict
+        self.loss = seam("linen_loss", functools.partial(masked_token_loss, predicts=predicts))
+        self.accumulate = seam("linen_accumulate", accumulate)
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
         kept = {
             collection: {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in leaves.items()}
@@ -207,12 +214,7 @@ class LinenTrainer:
         """
         module = self.runner.module
         predicts = self.runner.family.logits_predict
-        objective = objective_of(
-            functools.partial(masked_token_loss, predicts=predicts),
-            self.tiled,
-            bool(self.overwrite),
-            predicts,
-        )
+        objective = objective_of(self.loss, self.tiled, bool(self.overwrite), predicts)
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> Any:
             applied = module.apply(
@@ -241,7 +243,7 @@ class LinenTrainer:
         grad_fn = functools.partial(
             jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True), params, overwrite
         )
-        (loss_sum, (count, aux)), (grads, overwritten) = accumulate(
+        (loss_sum, (count, aux)), (grads, overwritten) = self.accumulate(
             grad_fn, batch, self.micro_batches, micro_sharding
         )
         grads = jax.tree.map(lambda g: g / count, grads)

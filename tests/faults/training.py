@@ -236,6 +236,12 @@ FAULTS = (
     ),
     Fault(
         Llama(),
+        "grad_accumulation",
+        ("Linen one step", "loss:"),
+        seams={"linen_accumulate": drop_last_micro_batch},
+    ),
+    Fault(
+        Llama(),
         "train_step",
         (
             "step 1 of 3",
@@ -244,6 +250,12 @@ FAULTS = (
             "changes neither side",
         ),
         seams={"nnx_loss": unmasked_loss},
+    ),
+    Fault(
+        Llama(),
+        "train_step",
+        ("step 1 of 3", "loss:", "verdict: a Linen/NNX divergence: it shows on one device too"),
+        seams={"linen_loss": unmasked_loss},
     ),
     Fault(
         Llama(),
