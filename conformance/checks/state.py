@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 
 from conformance.checks.declare import Axis, declare
-from conformance.contract import Batch
+from conformance.contract import Backend, Batch
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.trees import flatten_state, specs, variable_kind
 from conformance.runtime.case import BATCH_SIZE, Case
@@ -107,7 +107,7 @@ def check_state_hygiene(case: Case, workdir: Path) -> None:
     model = runner.build(0)
     _eager(model, batch)
     directory = Path(workdir) / "after-forward"
-    info = CheckpointInfo(case.family.name, case.size, "nnx", case.scan_layers)
+    info = CheckpointInfo(case.family.name, case.size, Backend.NNX, case.scan_layers)
     save(directory, _persistent(model), info)
     try:
         restore(directory, specs(_persistent(built)))

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import agreed_specs, misplaced, param_map
-from conformance.contract import Family
+from conformance.contract import Backend, Family
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
@@ -66,7 +66,7 @@ def check_structure(case: Case) -> dict[str, Any]:
     }
 
 
-SIDE_BRIDGE = {"linen": "ToLinen", "nnx": "ToNNX"}
+SIDE_BRIDGE = {Backend.LINEN: "ToLinen", Backend.NNX: "ToNNX"}
 """The bridge that runs the other backend's code inside each side, by backend id."""
 
 

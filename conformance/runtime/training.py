@@ -77,25 +77,52 @@ def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
-def _step_fns(cache: dict[Any, Any], step: Callable[..., Any], shardings: Any) -> Any:
-    """Jit ``step(state, batch, micro_sharding=...)`` once per state sharding."""
-    leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
-    if leaves not in cache:
-        in_sh = out_sh = micro = None
-        if leaves is not None:
-            in_sh, out_sh = (shardings, None), (shardings, None)
-            micro = replicated(leaves[0].mesh)
-        bound = functools.partial(step, micro_sharding=micro)
-        cache[leaves] = jax.jit(bound, in_shardings=in_sh, out_shardings=out_sh)
-    return cache[leaves]
+class _Trainer:
+    """What both backends' trainers share: seams, optimizer, the jitted step and gradient.
 
-
-class LinenTrainer:
-    """Linen train state (a nested dict) and its step, for one family config.
-
-    Its loss and accumulation are the seams ``linen_loss`` and ``linen_accumulate``
-    (:mod:`conformance.core.seams`), read when the trainer is built.
+    A backend's trainer builds its runner and train state and implements ``step`` and
+    ``aux_gradient`` (unjitted); both are jitted here, once per trainer (and per state
+    sharding). The loss and accumulation are the seams ``<backend>_loss`` and
+    ``<backend>_accumulate`` (:mod:`conformance.core.seams`), read when it is built.
     """
+
+    backend: Backend
+
+    def __init__(self, family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> None:
+        self.config = _tiled(family, config, micro_batches, vocab_tiles)
+        self.train_kwargs = dict(family.train_kwargs(self.config))
+        self.tiled = vocab_tiles > 1
+        self.micro_batches = micro_batches
+        self.tx = make_optimizer()
+        self.predicts = family.logits_predict
+        self.aux_names = family.capabilities.aux_losses
+        default_loss = functools.partial(masked_token_loss, predicts=self.predicts)
+        self.loss = seam(f"{self.backend}_loss", default_loss)
+        self.accumulate = seam(f"{self.backend}_accumulate", accumulate)
+        self._steps: dict[Any, Any] = {}
+
+    def step_fn(self, shardings: Any = None) -> Any:
+        """The jitted ``(state, batch) -> (state, metrics)``, cached per state sharding."""
+        leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
+        if leaves not in self._steps:
+            in_sh = out_sh = micro = None
+            if leaves is not None:
+                in_sh, out_sh = (shardings, None), (shardings, None)
+                micro = replicated(leaves[0].mesh)
+            bound = functools.partial(self.step, micro_sharding=micro)
+            self._steps[leaves] = jax.jit(bound, in_shardings=in_sh, out_shardings=out_sh)
+        return self._steps[leaves]
+
+    @functools.cached_property
+    def aux_gradient_fn(self) -> Any:
+        """The jitted :meth:`aux_gradient`, traced once per trainer."""
+        return jax.jit(self.aux_gradient)
+
+
+class LinenTrainer(_Trainer):
+    """Linen train state (a nested dict) and its step, for one family config."""
+
+    backend = Backend.LINEN
 
     def __init__(
         self,
@@ -105,11 +132,8 @@ class LinenTrainer:
         quant: str | None = None,
         vocab_tiles: int = 1,
     ) -> None:
-        config = _tiled(family, config, micro_batches, vocab_tiles)
-        self.runner = linen_runner(family, config, quant)
-        self.aux_names = family.capabilities.aux_losses
-        self.train_kwargs = dict(family.train_kwargs(config))
-        self.tiled = vocab_tiles > 1
+        super().__init__(family, config, micro_batches, vocab_tiles)
+        self.runner = linen_runner(family, self.config, quant)
         self.kept = {
             path: collection for collection, leaves in self.runner.kept.items() for path in leaves
         }
@@ -121,11 +145,6 @@ class LinenTrainer:
         """Paths of :data:`OVERWRITE` values (a step replaces them with their gradient)."""
         refuse_accumulated_overwrite(bool(self.overwrite), micro_batches)
         self.streams = family.train_rngs
-        self.micro_batches = micro_batches
-        self.tx = make_optimizer()
-        predicts = family.logits_predict
-        self.loss = seam("linen_loss", functools.partial(masked_token_loss, predicts=predicts))
-        self.accumulate = seam("linen_accumulate", accumulate)
         params = {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in self.runner.specs.items()}
         kept = {
             collection: {p: jax.ShapeDtypeStruct(s.shape, s.dtype) for p, s in leaves.items()}
@@ -136,10 +155,7 @@ class LinenTrainer:
         for path in flatten(self.abstract_state):
             found = mirrored_param(path, self.runner.logical)
             self.logical[path] = None if found is None else self.runner.logical[found[1]]
-        self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
-        self.aux_gradient_fn = jax.jit(self.aux_gradient)
-        """The jitted :meth:`aux_gradient`, traced once per trainer."""
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -213,7 +229,7 @@ class LinenTrainer:
         ``cross_entropy`` the value is the auxiliary losses' part alone.
         """
         module = self.runner.module
-        predicts = self.runner.family.logits_predict
+        predicts = self.predicts
         objective = objective_of(self.loss, self.tiled, bool(self.overwrite), predicts)
 
         def loss_fn(params: Any, overwrite: Any, micro: Batch) -> Any:
@@ -271,10 +287,6 @@ class LinenTrainer:
         (_, (count, _)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, overwrite, batch)
         return jax.tree.map(lambda g: g / count, grads)
 
-    def step_fn(self, shardings: Any = None) -> Any:
-        """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
-        return _step_fns(self._steps, self.step, shardings)
-
 
 def nnx_training_forward(
     model: nnx.Module, batch: Batch, train_kwargs: Mapping[str, Any]
@@ -285,13 +297,15 @@ def nnx_training_forward(
     )
 
 
-class NnxTrainer:
+class NnxTrainer(_Trainer):
     """NNX train state (model + optimizer) and its step, for one family config.
 
-    Its forward, loss, accumulation and train-state class are the seams
-    ``nnx_training_forward``, ``nnx_loss``, ``nnx_accumulate`` and ``nnx_train_state``
-    (:mod:`conformance.core.seams`), read when the trainer is built.
+    Beside the loss and accumulation, its forward and train-state class are the seams
+    ``nnx_training_forward`` and ``nnx_train_state`` (:mod:`conformance.core.seams`),
+    read when the trainer is built.
     """
+
+    backend = Backend.NNX
 
     def __init__(
         self,
@@ -301,17 +315,9 @@ class NnxTrainer:
         quant: str | None = None,
         vocab_tiles: int = 1,
     ) -> None:
-        config = _tiled(family, config, micro_batches, vocab_tiles)
-        self.runner = nnx_runner(family, config, quant)
-        self.train_kwargs = dict(family.train_kwargs(config))
-        self.tiled = vocab_tiles > 1
-        self.micro_batches = micro_batches
-        self.tx = make_optimizer()
+        super().__init__(family, config, micro_batches, vocab_tiles)
+        self.runner = nnx_runner(family, self.config, quant)
         self.forward = seam("nnx_training_forward", nnx_training_forward)
-        self.predicts = family.logits_predict
-        self.aux_names = family.capabilities.aux_losses
-        self.loss = seam("nnx_loss", functools.partial(masked_token_loss, predicts=self.predicts))
-        self.accumulate = seam("nnx_accumulate", accumulate)
         self.train_state = seam("nnx_train_state", NnxTrainState)
         abstract = nnx.eval_shape(lambda: self.train_state(self.runner.build(0), self.tx))
         self.graphdef, self.abstract_streams, self.abstract_state = nnx.split(
@@ -323,10 +329,7 @@ class NnxTrainer:
         refuse_accumulated_overwrite(self.overwrite, micro_batches)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(self.abstract_state)}
         self.logical: dict[str, Logical] = nnx_logical(self.abstract_state)
-        self._steps: dict[Any, Any] = {}
         self._create = jax.jit(self._create_impl)
-        self.aux_gradient_fn = jax.jit(self.aux_gradient)
-        """The jitted :meth:`aux_gradient`, traced once per trainer."""
 
     @property
     def kinds(self) -> dict[str, str]:
@@ -408,10 +411,6 @@ class NnxTrainer:
         )
         (_, (count, _)), grads = grad_fn(self._train(state).model, batch)
         return jax.tree.map(lambda g: g / count, grads)
-
-    def step_fn(self, shardings: Any = None) -> Any:
-        """The jitted ``(state, batch) -> (state, metrics)``, cached per sharding."""
-        return _step_fns(self._steps, self.step, shardings)
 
 
 @scoped
