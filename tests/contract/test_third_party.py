@@ -176,7 +176,9 @@ def test_the_zoos_own_check_fails_naming_the_side_and_the_bound(tmp_path):
 def test_a_check_entry_point_that_is_not_a_check_is_a_usage_error(tmp_path):
     site, project = zoo_project(tmp_path)
     points = site / "toyzoo-0.1.dist-info" / "entry_points.txt"
-    points.write_text(points.read_text().replace("checks:check_logits_bounded", "checks:LOGIT_BOUND"))
+    points.write_text(
+        points.read_text().replace("checks:check_logits_bounded", "checks:LOGIT_BOUND")
+    )
     run = run_suite(project, site, tmp_path / "run.xml", "--collect-only")
     assert run.returncode == 4, run.stdout[-3000:] + run.stderr[-3000:]
     assert "check entry point 'logits_bounded' = 'toyzoo.checks:LOGIT_BOUND' gave float" in (
