@@ -129,20 +129,31 @@ def check_forward(case: Case) -> None:
         )
 
 
+def unusable(logits: np.ndarray) -> np.ndarray:
+    """Where ``logits`` (``[..., vocab]``) cannot be a model's output: True per element.
+
+    NaN and ``+inf`` anywhere, and every element of a position whose logits are all
+    ``-inf`` (its softmax is NaN). A ``-inf`` beside finite logits is a masked entry (a
+    padded vocabulary, say) and passes.
+    """
+    dead = np.all(np.isneginf(logits), axis=-1, keepdims=True)
+    return np.isnan(logits) | np.isposinf(logits) | np.broadcast_to(dead, logits.shape)
+
+
 @declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", pair=False)
 def check_finite(case: Case) -> None:
-    """Every live side's logits from its own initial parameters are finite.
+    """Every live side's logits from its own initial parameters are usable (:func:`unusable`).
 
     A comparison agrees where both sides give the same non-finite value, so a fault the
     sides share (a layer both import, a config field both read) passes it; this check
-    names each side with non-finite logits, how many, and the first index.
+    names each side with NaN, ``+inf`` or all-``-inf`` logits, how many, and the first index.
     """
     batch = case.batch()
     sides = live_sides(case)
     found = []
     for side in sides:
         logits = host_array(side.forward(side.init(), batch)[0])
-        if (bad := ~np.isfinite(logits)).any():
+        if (bad := unusable(logits)).any():
             first = tuple(int(i) for i in np.argwhere(bad)[0])
             found.append(
                 f"{side.name} logits: {int(bad.sum())} of {bad.size} non-finite, "
