@@ -95,10 +95,13 @@ def _normalised(method: str) -> str:
     return "build" if method == "__init__" else method.strip("_").removesuffix("_impl")
 
 
-def _owner(frame: FrameType) -> tuple[type[Side], Case | None, str, str, bool] | None:
-    """Who ran ``frame``'s method: side, case (if known), what it did, method, public.
+def _owner(frame: FrameType) -> tuple[type[Side], Case | None, str, str, int] | None:
+    """Who ran ``frame``'s method: side, case (if known), what it did, method, rank.
 
-    ``__init__`` counts as public: building is a call of its own.
+    The rank says how well the method names the call: 2 for a public method that is
+    an operation of :data:`_DOING`, 1 for another public one (a backend primitive such
+    as ``apply``, which every operation calls), 0 for a private one. ``__init__`` counts
+    as public: building is a call of its own.
     """
     obj = frame.f_locals.get("self")
     method = frame.f_code.co_name
@@ -108,9 +111,10 @@ def _owner(frame: FrameType) -> tuple[type[Side], Case | None, str, str, bool] |
     if part is None:
         return None
     side, case, kind = part
-    doing = _DOING.get((kind, _normalised(method)), f"calling {method}")
+    known = _DOING.get((kind, _normalised(method)))
     public = method == "__init__" or not method.startswith("_")
-    return side, case, doing, f"{type(obj).__name__}.{method}", public
+    rank = 2 if public and known else int(public)
+    return side, case, known or f"calling {method}", f"{type(obj).__name__}.{method}", rank
 
 
 def _part(obj: object) -> tuple[type[Side], Case | None, str] | None:
@@ -131,14 +135,16 @@ def _part(obj: object) -> tuple[type[Side], Case | None, str] | None:
 def raised_in(error: BaseException) -> Raised | None:
     """Which side ``error`` was raised in, and in which call, or ``None`` if in no side.
 
-    The call is the innermost public method of a side's object on the traceback (the
-    innermost method of any name when none is public).
+    The call is the innermost public method of a side's object on the traceback that is
+    a known operation (building, running the forward, a train step, ...), else the
+    innermost public method, else the innermost method of any name.
     """
     frames = traceback.walk_tb(error.__traceback__)
     owners = [found for frame, _ in frames if (found := _owner(frame))]
     if not owners:
         return None
-    side, case, doing, call, _ = ([o for o in owners if o[4]] or owners)[-1]
+    best = max(owner[4] for owner in owners)
+    side, case, doing, call, _ = [o for o in owners if o[4] == best][-1]
     return Raised(side.name, doing, call, error, case)
 
 

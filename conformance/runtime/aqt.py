@@ -13,8 +13,9 @@ Frozen kernels are flat ``{canonical path: array}`` dicts, like parameters:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import abc
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 from flax import linen as nn
@@ -24,14 +25,7 @@ from conformance.contract import Batch, Family
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical
 from conformance.core.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
-from conformance.runtime.backends import (
-    LinenRunner,
-    NnxRunner,
-    linen_runner,
-    mesh_of,
-    model_inputs,
-    nnx_runner,
-)
+from conformance.runtime.backends import Runner, linen_runner, mesh_of, nnx_runner
 
 COLLECTION = "aqt"
 """AQT's collection of frozen tensors (``AqtDotGeneral.quant_collection``'s default)."""
@@ -46,45 +40,78 @@ def frozen_variable_type() -> type[nnx.Variable[Any]]:
     return nnx.variable_type_from_name(COLLECTION, allow_register=True)
 
 
-class LinenAqt:
-    """A family's Linen module in AQT convert and serve modes."""
+class Aqt(abc.ABC):
+    """A family's model in AQT convert and serve modes, written once over the runners.
+
+    A backend's subclass says how it holds the frozen kernels: :meth:`pack` and
+    :meth:`unpack` move them between flat dicts and what the runners' :meth:`apply
+    <conformance.runtime.backends.Runner.apply>` sets and collects as ``aqt``.
+    """
+
+    runner: ClassVar[Callable[..., Runner]]
+    """The backend's memoised runner constructor (``linen_runner``, ``nnx_runner``)."""
 
     def __init__(self, family: Family, config: Any) -> None:
         self.family = family
-        self.convert_runner: LinenRunner = linen_runner(
-            family, family.aqt_config(config, "convert")
-        )
-        self.serve_runner: LinenRunner = linen_runner(family, family.aqt_config(config, "serve"))
+        self.convert_runner = type(self).runner(family, family.aqt_config(config, "convert"))
+        self.serve_runner = type(self).runner(family, family.aqt_config(config, "serve"))
+        self.logical: dict[str, Logical] = {}
+        """Every frozen leaf's logical axis names, by flat path."""
+        self.specs: dict[str, LeafSpec] = {}
+        """Every frozen leaf's shape and dtype, by flat path."""
+        self._convert = jax.jit(self._convert_impl)
+        self._serve = jax.jit(self._serve_impl)
+
+    @abc.abstractmethod
+    def pack(self, frozen: Flat) -> Any:
+        """The backend's ``aqt`` collection holding the flat ``frozen`` kernels."""
+
+    @abc.abstractmethod
+    def unpack(self, collected: Any) -> Flat:
+        """The flat frozen kernels of the ``aqt`` collection a convert forward wrote."""
+
+    def _convert_impl(self, params: Any, context: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        return self.convert_runner.apply(params, context, batch, collect=COLLECTION)
+
+    def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
+        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``."""
+        runner = self.convert_runner
+        logits, frozen = self._convert(runner.pack(params), runner.context(mesh_of(params)), batch)
+        return logits, self.unpack(frozen)
+
+    def _serve_impl(self, params: Any, context: Any, frozen: Any, batch: Batch) -> jax.Array:
+        return self.serve_runner.apply(params, context, batch, held={COLLECTION: frozen})[0]
+
+    def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
+        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels."""
+        runner = self.serve_runner
+        context = runner.context(mesh_of(params))
+        return self._serve(runner.pack(params), context, self.pack(frozen), batch)
+
+
+class LinenAqt(Aqt):
+    """A family's Linen module in AQT modes: the frozen kernels are its ``aqt`` collection."""
+
+    runner = staticmethod(linen_runner)
+
+    def __init__(self, family: Family, config: Any) -> None:
+        super().__init__(family, config)
         boxed = self.serve_runner.abstract_variables
         if not boxed.get(COLLECTION):
             raise AqtError(
                 f"{family.name}: Linen init in AQT serve mode created no {COLLECTION!r} collection"
             )
-        self.logical: dict[str, Logical] = linen_logical(boxed[COLLECTION])
+        self.logical = linen_logical(boxed[COLLECTION])
         self._abstract = nn.meta.unbox(boxed[COLLECTION])
-        self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
-        self._convert = jax.jit(self._convert_impl)
-        self._serve = jax.jit(self._serve_impl)
+        self.specs = specs(flatten(self._abstract))
 
-    def _convert_impl(self, params: Any, batch: Batch) -> tuple[jax.Array, Any]:
-        logits, state = self.convert_runner.module.apply(
-            {"params": params}, *model_inputs(batch), mutable=[COLLECTION]
-        )
-        return logits, nn.meta.unbox(state[COLLECTION])
+    def pack(self, frozen: Flat) -> Any:
+        """The ``aqt`` collection's tree holding ``frozen``."""
+        return refill(self._abstract, frozen)
 
-    def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
-        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``."""
-        logits, frozen = self._convert(self.convert_runner.tree(params), batch)
-        return logits, flatten(frozen)
-
-    def _serve_impl(self, params: Any, frozen: Any, batch: Batch) -> jax.Array:
-        return self.serve_runner.module.apply(
-            {"params": params, COLLECTION: frozen}, *model_inputs(batch)
-        )
-
-    def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
-        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels."""
-        return self._serve(self.serve_runner.tree(params), refill(self._abstract, frozen), batch)
+    def unpack(self, collected: Any) -> Flat:
+        """The flat dict of the ``aqt`` collection, unboxed."""
+        return flatten(nn.meta.unbox(collected))
 
 
 def _frozen_flat(variables: Mapping[str, nnx.Variable[Any]]) -> Flat:
@@ -96,35 +123,32 @@ def _frozen_flat(variables: Mapping[str, nnx.Variable[Any]]) -> Flat:
     }
 
 
-class NnxAqt:
-    """A family's NNX module in AQT convert and serve modes.
+class NnxAqt(Aqt):
+    """A family's NNX module in AQT modes.
 
     The frozen kernels are ``aqt`` Variables holding AQT ``QTensor`` values, whose leaves
     carry the logical names AQT's axis-metadata wrapper gave them.
     """
 
+    runner = staticmethod(nnx_runner)
+
     def __init__(self, family: Family, config: Any) -> None:
-        self.family = family
-        self.kind = frozen_variable_type()
-        self.convert_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "convert"))
-        self.serve_runner: NnxRunner = nnx_runner(family, family.aqt_config(config, "serve"))
-        frozen = nnx.state(self.serve_runner.abstract, self.kind)
+        super().__init__(family, config)
+        frozen = nnx.state(self.serve_runner.abstract, frozen_variable_type())
         self._vars = flatten_state(frozen)
         if not self._vars:
             raise AqtError(
                 f"{family.name}: the NNX module in AQT serve mode has no {COLLECTION!r} Variables"
             )
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(frozen)}
-        self.logical: dict[str, Logical] = {
+        self.logical = {
             f"{path}/{inner}": names
             for path, var in self._vars.items()
             for inner, names in linen_logical(var.get_value()).items()
         }
-        self.specs: dict[str, LeafSpec] = specs(_frozen_flat(self._vars))
-        self._convert = jax.jit(self._convert_impl)
-        self._serve = jax.jit(self._serve_impl)
+        self.specs = specs(_frozen_flat(self._vars))
 
-    def state(self, frozen: Flat) -> nnx.State:
+    def pack(self, frozen: Flat) -> nnx.State:
         """An ``nnx.State`` of ``aqt`` Variables holding the flat ``frozen`` kernels."""
         return nnx.from_flat_state(
             [
@@ -136,32 +160,9 @@ class NnxAqt:
             ]
         )
 
-    def _convert_impl(
-        self, params: nnx.State, rest: nnx.State, batch: Batch
-    ) -> tuple[jax.Array, nnx.State]:
-        model = nnx.merge(self.convert_runner.graphdef, params, rest)
-        logits, _ = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
-        return logits, nnx.state(model, self.kind)
-
-    def convert(self, params: Flat, batch: Batch) -> tuple[jax.Array, Flat]:
-        """The convert-mode logits for ``batch`` and the frozen kernels made from ``params``."""
-        runner = self.convert_runner
-        logits, frozen = self._convert(runner.state(params), runner.rest(mesh_of(params)), batch)
-        return logits, _frozen_flat(flatten_state(frozen))
-
-    def _serve_impl(
-        self, params: nnx.State, rest: nnx.State, frozen: nnx.State, batch: Batch
-    ) -> jax.Array:
-        model = nnx.merge(self.serve_runner.graphdef, params, rest)
-        nnx.update(model, frozen)
-        logits, _ = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
-        return logits
-
-    def serve(self, params: Flat, frozen: Flat, batch: Batch) -> jax.Array:
-        """Serve-mode logits from the kernel-less ``params`` and the ``frozen`` kernels."""
-        runner = self.serve_runner
-        rest = runner.rest(mesh_of(params))
-        return self._serve(runner.state(params), rest, self.state(frozen), batch)
+    def unpack(self, collected: nnx.State) -> Flat:
+        """The flat frozen leaves of an ``nnx.State`` of ``aqt`` Variables."""
+        return _frozen_flat(flatten_state(collected))
 
 
 def known_failure(check: str, scan_layers: bool) -> str | None:

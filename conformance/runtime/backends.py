@@ -9,6 +9,7 @@ and are reused by every check in the scope, and released with it.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
 from conformance.contract import Batch, Family
-from conformance.core.distributed import place
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
@@ -42,6 +42,9 @@ from conformance.runtime.quant import MODES, quantize_linen, quantize_nnx
 
 HIDDEN_STATES = "hidden_states"
 
+INTERMEDIATES = "intermediates"
+"""Flax's collection (Linen) of values a model sows (``nnx.Intermediate`` in NNX)."""
+
 OVERWRITE = fp8_ops.OVERWRITE_WITH_GRADIENT
 """Flax's collection (Linen) and Variable type name (NNX) of values a train step replaces
 with their gradient instead of optimising them: FP8 scales and amax histories."""
@@ -59,10 +62,6 @@ def persistent_collections(family: Family) -> dict[str, str]:
         variablelib.variable_name_from_type(kind, allow_register=True): kind.__name__
         for kind in family.persistent_state
     }
-
-
-class TransplantError(ValueError):
-    """Parameters could not be moved to the other side without loss."""
 
 
 def model_inputs(batch: Batch) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -86,17 +85,123 @@ def _provider(family: Family, config: Any, quant: str | None) -> QuantizationPro
     return None if quant is None else MODES[quant].provider(family.quantization_scope(config))
 
 
-class LinenRunner:
-    """A family's Linen module: abstract layout, sharded init and a jitted forward.
+class Runner(abc.ABC):
+    """A family's model on one backend: abstract layout, sharded init and a jitted forward.
 
-    With ``quant`` (a name in :data:`conformance.runtime.quant.MODES`) the module is quantized
-    by Qwix: its parameters are the quantized layout (``qvalue``/``scale`` leaves for
-    PTQ), and :meth:`quantize` turns float parameters into them.
+    Written once over the backend's primitives: :meth:`pack` and :meth:`unpack` move
+    parameters between flat dicts and the backend's trees, :meth:`context` is what its
+    programs take beside parameters and batch, :meth:`apply` calls the model in a traced
+    program, and :meth:`_init_impl` with :meth:`_init_args` creates parameters. With
+    ``quant`` (a name in :data:`conformance.runtime.quant.MODES`) the model is quantized by
+    Qwix: its parameters are the quantized layout (``qvalue``/``scale`` leaves for PTQ),
+    and :meth:`quantize` turns float parameters into them.
     """
 
-    def __init__(self, family: Family, config: Any, quant: str | None = None) -> None:
+    _init_static: tuple[int, ...] = ()
+    """Which of :meth:`_init_args` are static arguments of the init program."""
+
+    def __init__(self, family: Family, config: Any, quant: str | None) -> None:
         self.family, self.config = family, config
         self.provider = _provider(family, config, quant)
+        self.specs: dict[str, LeafSpec] = {}
+        """Every parameter's shape and dtype, by path."""
+        self.logical: dict[str, Logical] = {}
+        """Every parameter's logical axis names, by path."""
+        self.held: dict[str, str] = {}
+        """What the model holds outside its parameters, by path: its kind."""
+        self._forward = jax.jit(self._forward_impl)
+        self._init_fns: dict[Any, Any] = {}
+
+    @abc.abstractmethod
+    def pack(self, flat: Mapping[str, Any]) -> Any:
+        """The backend's parameter tree holding ``flat``, keyed by this side's paths.
+
+        Leaves may be values, shardings or ``jax.ShapeDtypeStruct`` leaves.
+        """
+
+    @abc.abstractmethod
+    def unpack(self, tree: Any) -> Flat:
+        """The flat ``{path: value}`` dict of a parameter tree :meth:`pack` makes."""
+
+    @abc.abstractmethod
+    def context(self, mesh: Mesh | None = None, *, abstract: bool = False) -> Any:
+        """What the model's programs take beside parameters and batch, on ``mesh``.
+
+        It is replicated, and ``jax.ShapeDtypeStruct`` leaves when ``abstract``.
+        """
+
+    @abc.abstractmethod
+    def apply(
+        self,
+        params: Any,
+        context: Any,
+        batch: Batch,
+        *,
+        held: Mapping[str, Any] | None = None,
+        collect: str = INTERMEDIATES,
+    ) -> tuple[jax.Array, Any]:
+        """In a traced program: the logits for ``batch`` and a collection after the call.
+
+        The collection is ``collect``: what the model sowed, by default. ``held`` sets
+        collections beside the parameters first, by Linen collection name.
+        """
+
+    @abc.abstractmethod
+    def _init_impl(self, *args: Any) -> Any:
+        """In a traced program: the parameter tree initialised from :meth:`_init_args`."""
+
+    @abc.abstractmethod
+    def _init_args(self, seed: int) -> tuple[Any, ...]:
+        """The init program's arguments for ``seed``."""
+
+    @abc.abstractmethod
+    def _ptq(self, float_params: Flat) -> Flat:
+        """PTQ-quantized parameters made from the float runner's ``float_params``."""
+
+    def quantize(self, float_params: Flat) -> Flat:
+        """Quantized parameters for this runner, made from the float runner's ``float_params``."""
+        if not isinstance(self.provider, PtqProvider):
+            return float_params
+        return self._ptq(float_params)
+
+    def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
+        """Initialise parameters from ``seed``, created directly with ``shardings``.
+
+        The init program compiles once per ``shardings``.
+        """
+        key = tuple(sorted(shardings.items())) if shardings else None
+        if key not in self._init_fns:
+            self._init_fns[key] = jax.jit(
+                self._init_impl,
+                static_argnums=self._init_static,
+                out_shardings=self.pack(shardings) if shardings else None,
+            )
+        return self.unpack(self._init_fns[key](*self._init_args(seed)))
+
+    def _forward_impl(self, params: Any, context: Any, batch: Batch) -> tuple[jax.Array, Any]:
+        logits, sown = self.apply(params, context, batch)
+        return logits, _sown_hidden(sown)
+
+    def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
+        """Logits and sown per-block hidden states for ``batch``."""
+        return self._forward(self.pack(params), self.context(mesh_of(params)), batch)
+
+    def lowered_forward(self, params: Flat, batch: Batch) -> jax.stages.Lowered:
+        """The program :meth:`forward` runs for these arguments, lowered, not compiled.
+
+        ``params`` and ``batch`` may be ``jax.ShapeDtypeStruct`` leaves with shardings;
+        the :meth:`context` goes in abstractly, replicated on the parameters' mesh, so
+        nothing is computed (the mesh may be one this host cannot run on).
+        """
+        context = self.context(mesh_of(params), abstract=True)
+        return self._forward.lower(self.pack(params), context, batch)
+
+
+class LinenRunner(Runner):
+    """A family's Linen module: the :class:`Runner` primitives over ``module.apply``."""
+
+    def __init__(self, family: Family, config: Any, quant: str | None = None) -> None:
+        super().__init__(family, config, quant)
         module = family.linen_module(config)
         self.module = module if self.provider is None else quantize_linen(module, self.provider)
         example = model_inputs(family.batch(config, 1))
@@ -108,13 +213,12 @@ class LinenRunner:
         self.built: Built = bridges.built(module)
         """The model class built and the bridge modules it ran (``ToLinen``)."""
         boxed = variables["params"]
-        self.held: dict[str, str] = {
+        self.held = {
             path: f"collection {collection!r}"
             for collection, tree in variables.items()
             if collection != "params"
             for path in flatten(tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
         }
-        """What the module holds outside ``params``, by path within its collection."""
         self.kept: dict[str, dict[str, LeafSpec]] = {
             collection: specs(flatten(nn.meta.unbox(variables[collection])))
             for collection in (OVERWRITE, *persistent_collections(family))
@@ -123,35 +227,46 @@ class LinenRunner:
         """Collections a train state keeps beside ``params``, by collection and path: the
         FP8-style values a step overwrites with their gradient (:data:`OVERWRITE`) and
         the family's persistent state (:func:`persistent_collections`); usually none."""
-        self.logical: dict[str, Logical] = linen_logical(boxed)
+        self.logical = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
-        self.specs: dict[str, LeafSpec] = specs(flatten(self._abstract))
-        self._forward = jax.jit(self._forward_impl)
-        self._init_fns: dict[Any, Any] = {}
+        self.specs = specs(flatten(self._abstract))
         self._init_kept = jax.jit(self._init_kept_impl)
         self._quantize = jax.jit(lambda params: flatten(quantize_params(unflatten(params), boxed)))
 
-    def tree(self, flat: Mapping[str, Any]) -> Any:
+    def pack(self, flat: Mapping[str, Any]) -> Any:
         """The module's parameter tree (with Qwix's quantized nodes, if any) holding ``flat``."""
         return refill(self._abstract, flat)
 
-    def quantize(self, float_params: Flat) -> Flat:
-        """Quantized parameters for this runner, made from the float runner's ``float_params``."""
-        if not isinstance(self.provider, PtqProvider):
-            return float_params
+    def unpack(self, tree: Any) -> Flat:
+        """The flat dict of a ``params`` tree."""
+        return flatten(tree)
+
+    def context(self, mesh: Mesh | None = None, *, abstract: bool = False) -> None:
+        """Nothing: a Linen module's programs take parameters and batch only."""
+        return None
+
+    def apply(
+        self,
+        params: Any,
+        context: None,
+        batch: Batch,
+        *,
+        held: Mapping[str, Any] | None = None,
+        collect: str = INTERMEDIATES,
+    ) -> tuple[jax.Array, Any]:
+        """``module.apply`` with ``collect`` mutable (see :meth:`Runner.apply`)."""
+        variables = {"params": params, **(held or {})}
+        logits, state = self.module.apply(variables, *model_inputs(batch), mutable=[collect])
+        return logits, state.get(collect, {})
+
+    def _ptq(self, float_params: Flat) -> Flat:
         return self._quantize(float_params)
 
     def _init_impl(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         return nn.meta.unbox(self.module.init(key, *model_inputs(batch))["params"])
 
-    def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
-        """Initialise parameters from ``seed``, created directly with ``shardings``."""
-        key = tuple(sorted(shardings.items())) if shardings else None
-        if key not in self._init_fns:
-            out = self.tree(shardings) if shardings else None
-            self._init_fns[key] = jax.jit(self._init_impl, out_shardings=out)
-        batch = self.family.batch(self.config, 1)
-        return flatten(self._init_fns[key](jax.random.key(seed), batch))
+    def _init_args(self, seed: int) -> tuple[jax.Array, Batch]:
+        return jax.random.key(seed), self.family.batch(self.config, 1)
 
     def _init_kept_impl(self, key: jax.Array, batch: Batch) -> dict[str, Flat]:
         variables = nn.meta.unbox(self.module.init(key, *model_inputs(batch)))
@@ -161,36 +276,16 @@ class LinenRunner:
         """The :attr:`kept` collections as ``init`` makes them (``{}`` when there are none)."""
         if not self.kept:
             return {}
-        return self._init_kept(jax.random.key(0), self.family.batch(self.config, 1))
-
-    def _forward_impl(self, params: dict[str, Any], batch: Batch) -> tuple[jax.Array, Any]:
-        logits, state = self.module.apply(
-            {"params": params}, *model_inputs(batch), mutable=["intermediates"]
-        )
-        return logits, _sown_hidden(state)
-
-    def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
-        """Logits and sown per-block hidden states for ``batch``."""
-        return self._forward(self.tree(params), batch)
-
-    def lowered_forward(self, params: Flat, batch: Batch) -> jax.stages.Lowered:
-        """The program :meth:`forward` runs for these arguments, lowered, not compiled.
-
-        ``params`` and ``batch`` may be ``jax.ShapeDtypeStruct`` leaves with shardings.
-        """
-        return self._forward.lower(self.tree(params), batch)
+        return self._init_kept(*self._init_args(0))
 
 
-class NnxRunner:
-    """A family's NNX module: abstract layout, sharded init and a jitted forward.
+class NnxRunner(Runner):
+    """A family's NNX module: the :class:`Runner` primitives over ``nnx.merge``."""
 
-    With ``quant``, the module is quantized by Qwix as in :class:`LinenRunner`.
-    """
+    _init_static = (0,)
 
     def __init__(self, family: Family, config: Any, quant: str | None = None) -> None:
-        self.family, self.config = family, config
-        self.quant = quant
-        self.provider = _provider(family, config, quant)
+        super().__init__(family, config, quant)
         abstract = nnx.eval_shape(lambda: self.build(0))
         self.abstract: nnx.Module = abstract
         """The model :meth:`build` makes, abstractly: traced once, here."""
@@ -199,20 +294,17 @@ class NnxRunner:
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
         self._abstract_vars = flatten_state(params)
-        self.logical: dict[str, Logical] = nnx_logical(params)
-        self.specs: dict[str, LeafSpec] = specs(self._abstract_vars)
-        self.held: dict[str, str] = {
+        self.logical = nnx_logical(params)
+        self.specs = specs(self._abstract_vars)
+        self.held = {
             path: variable_kind(var) for path, var in flatten_state(self._abstract_rest).items()
         }
-        """What the model holds outside ``nnx.Param``: each Variable's type, by path."""
         self.rng_streams: list[str] = sorted(
             path
             for path, var in flatten_state(self._abstract_rest).items()
             if isinstance(var, nnx.RngState)
         )
         """Paths of the model's RNG stream variables (kept out of train states)."""
-        self._forward = jax.jit(self._forward_impl)
-        self._init_fns: dict[Any, Any] = {}
         self._rest: dict[Mesh | None, nnx.State] = {}
         self._convert = jax.jit(self._convert_impl)
 
@@ -228,17 +320,11 @@ class NnxRunner:
         example = model_inputs(self.family.batch(self.config, 1))
         return quantize_nnx(model, self.provider, example)
 
-    def quantize(self, float_params: Flat) -> Flat:
-        """Quantized parameters for this runner, made from the float runner's ``float_params``.
-
-        The float model holding ``float_params`` is quantized by Qwix, as a user would.
-        """
-        if not isinstance(self.provider, PtqProvider):
-            return float_params
+    def _ptq(self, float_params: Flat) -> Flat:
+        """The float model holding ``float_params``, quantized by Qwix as a user would."""
         source = nnx_runner(self.family, self.config)
         rest = source.rest(mesh_of(float_params))
-        quantized = self._convert(source.state(float_params), rest)
-        return {path: var.get_value() for path, var in flatten_state(quantized).items()}
+        return self.unpack(self._convert(source.pack(float_params), rest))
 
     def _convert_impl(self, params: nnx.State, rest: nnx.State) -> nnx.State:
         graphdef = nnx_runner(self.family, self.config).graphdef
@@ -246,23 +332,46 @@ class NnxRunner:
             model = self._quantized(nnx.merge(graphdef, params, rest))
         return nnx.state(model, nnx.Param)
 
-    def state(self, params: Flat) -> nnx.State:
-        """An ``nnx.State`` of Params holding ``params`` (keyed by canonical path)."""
+    def pack(self, flat: Mapping[str, Any]) -> nnx.State:
+        """An ``nnx.State`` of Params holding ``flat`` (keyed by canonical path)."""
         return nnx.from_flat_state(
-            [(self._keys[p], self._abstract_vars[p].replace(v)) for p, v in params.items()]
+            [(self._keys[p], self._abstract_vars[p].replace(v)) for p, v in flat.items()]
         )
 
-    def init(self, seed: int, shardings: Mapping[str, NamedSharding] | None = None) -> Flat:
-        """Initialise parameters from ``seed``, created directly with ``shardings``."""
-        key = tuple(sorted(shardings.items())) if shardings else None
-        if key not in self._init_fns:
-            self._init_fns[key] = jax.jit(
-                lambda s: nnx.split(self.build(s), nnx.Param, ...)[1],
-                static_argnums=0,
-                out_shardings=self.state(shardings) if shardings else None,
-            )
-        params = self._init_fns[key](seed)
-        return {path: var.get_value() for path, var in flatten_state(params).items()}
+    def unpack(self, tree: nnx.State) -> Flat:
+        """The flat dict of the values of an ``nnx.State`` of Params."""
+        return {path: var.get_value() for path, var in flatten_state(tree).items()}
+
+    def context(self, mesh: Mesh | None = None, *, abstract: bool = False) -> nnx.State:
+        """The model's non-parameter state: :meth:`rest`, or :meth:`abstract_rest`."""
+        return self.abstract_rest(mesh) if abstract else self.rest(mesh)
+
+    def apply(
+        self,
+        params: nnx.State,
+        context: nnx.State,
+        batch: Batch,
+        *,
+        held: Mapping[str, Any] | None = None,
+        collect: str = INTERMEDIATES,
+    ) -> tuple[jax.Array, Any]:
+        """The merged model called under ``nnx.capture`` (see :meth:`Runner.apply`).
+
+        A Linen collection name stands for the NNX Variable type Flax's bridges give it.
+        """
+        model = nnx.merge(self.graphdef, params, context)
+        for state in (held or {}).values():
+            nnx.update(model, state)
+        logits, sown = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
+        if collect == INTERMEDIATES:
+            return logits, sown
+        return logits, nnx.state(model, nnx.variable_type_from_name(collect, allow_register=True))
+
+    def _init_impl(self, seed: int) -> nnx.State:
+        return nnx.split(self.build(seed), nnx.Param, ...)[1]
+
+    def _init_args(self, seed: int) -> tuple[int]:
+        return (seed,)
 
     def rest(self, mesh: Mesh | None = None) -> nnx.State:
         """The model's non-parameter state (RNG streams and the like), replicated on ``mesh``.
@@ -275,26 +384,6 @@ class NnxRunner:
             build = jax.jit(lambda: nnx.split(self.build(0), nnx.Param, ...)[2], out_shardings=out)
             self._rest[mesh] = build()
         return self._rest[mesh]
-
-    def _forward_impl(
-        self, params: nnx.State, rest: nnx.State, batch: Batch
-    ) -> tuple[jax.Array, Any]:
-        model = nnx.merge(self.graphdef, params, rest)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
-        return logits, _sown_hidden(sown)
-
-    def forward(self, params: Flat, batch: Batch) -> tuple[jax.Array, jax.Array | None]:
-        """Logits and sown per-block hidden states for ``batch``."""
-        return self._forward(self.state(params), self.rest(mesh_of(params)), batch)
-
-    def lowered_forward(self, params: Flat, batch: Batch) -> jax.stages.Lowered:
-        """The program :meth:`forward` runs for these arguments, lowered, not compiled.
-
-        ``params`` and ``batch`` may be ``jax.ShapeDtypeStruct`` leaves with shardings;
-        the non-parameter state goes in abstractly, replicated on the parameters' mesh,
-        so nothing is computed (the mesh may be one this host cannot run on).
-        """
-        return self._forward.lower(self.state(params), self.abstract_rest(mesh_of(params)), batch)
 
     def abstract_rest(self, mesh: Mesh | None = None) -> nnx.State:
         """:meth:`rest` as ``jax.ShapeDtypeStruct`` leaves, replicated on ``mesh``.
@@ -328,31 +417,3 @@ def path_map(family: Family, config: Any) -> dict[str, str]:
     mapping = map_paths(family.path_rules(config), linen.specs)
     check_bijection(mapping, nnx_.specs)
     return mapping
-
-
-def transplant(
-    source: Flat,
-    mapping: Mapping[str, str],
-    target: Mapping[str, LeafSpec],
-    shardings: Mapping[str, NamedSharding] | None = None,
-) -> Flat:
-    """Move ``source`` parameters to the target side's paths, placed with ``shardings``.
-
-    Guarantees what ``nnx.update`` does not: every target leaf receives a value, no
-    source leaf is dropped, and shapes and dtypes agree; otherwise
-    :class:`TransplantError` lists every offending path.
-    """
-    moved = {mapping.get(path, path): value for path, value in source.items()}
-    problems = [
-        f"  {p}: not set (no source leaf maps to it)" for p in sorted(set(target) - set(moved))
-    ]
-    problems += [f"  {p}: extra (no such target leaf)" for p in sorted(set(moved) - set(target))]
-    for path in sorted(set(moved) & set(target)):
-        got = LeafSpec.of(moved[path])
-        if got != target[path]:
-            problems.append(f"  {path}: source {got} != target {target[path]}")
-    if problems:
-        raise TransplantError("transplant would lose parameters:\n" + "\n".join(problems))
-    if shardings is None:
-        return moved
-    return {path: place(value, shardings[path]) for path, value in moved.items()}

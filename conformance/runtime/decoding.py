@@ -239,9 +239,8 @@ class NnxDecoder(_Decoder):
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
         fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
-        mesh = mesh_of(params)
-        rest = self.runner.abstract_rest(mesh) if abstract else self.runner.rest(mesh)
-        return fn, (self.runner.state(params), self._state(cache), rest, batch)
+        rest = self.runner.context(mesh_of(params), abstract=abstract)
+        return fn, (self.runner.pack(params), self._state(cache), rest, batch)
 
 
 def _values(cache: nnx.State) -> Flat:

@@ -29,24 +29,16 @@ from conformance.core.trees import (
     map_paths,
     map_state_paths,
 )
-from conformance.runtime.aqt import LinenAqt, NnxAqt, linen_aqt, nnx_aqt
-from conformance.runtime.backends import (
-    LinenRunner,
-    NnxRunner,
-    TransplantError,
-    linen_runner,
-    nnx_runner,
-    transplant,
-)
+from conformance.runtime.aqt import Aqt, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
+from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, linen_runner, nnx_runner
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.decoding import LinenDecoder, NnxDecoder, linen_decoder, nnx_decoder
 from conformance.runtime.generation import Generation, generate, prompt_batch
 from conformance.runtime.training import LinenTrainer, NnxTrainer, linen_trainer, nnx_trainer
+from conformance.runtime.transplant import TransplantError, transplant
 
-Runner = LinenRunner | NnxRunner
 Trainer = LinenTrainer | NnxTrainer
 Decoder = LinenDecoder | NnxDecoder
-Aqt = LinenAqt | NnxAqt
 
 
 @dataclasses.dataclass(frozen=True)

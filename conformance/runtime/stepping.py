@@ -14,9 +14,9 @@ from typing import Any
 import jax
 
 from conformance.core.trees import Flat
-from conformance.runtime.backends import transplant
 from conformance.runtime.sides import Side, Trainer
 from conformance.runtime.train_state import flat_state
+from conformance.runtime.transplant import transplant
 
 StepResult = tuple[Flat, Any, Flat]
 """One step's ``(state, loss, grads)``, keyed by canonical paths."""

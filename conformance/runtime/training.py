@@ -339,7 +339,7 @@ class NnxTrainer(_Trainer):
     def initial_state(self, params: Flat) -> nnx.State:
         """A train state around ``params``: fresh optimizer state, step 0."""
         rest = self.runner.rest(mesh_of(params))
-        return self._create(self.runner.state(params), rest)
+        return self._create(self.runner.pack(params), rest)
 
     def _create_impl(self, params: nnx.State, rest: nnx.State) -> nnx.State:
         model = nnx.merge(self.runner.graphdef, params, rest)

@@ -19,11 +19,11 @@ from conformance.core.numerics import compare_trees, report
 from conformance.core.records import emit, listening, measure
 from conformance.core.rounding import NUDGE_SEEDS, RoundingVerdict, one_ulp_nudge, rounding_verdict
 from conformance.core.trees import Flat
-from conformance.runtime.backends import TransplantError
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import noise_masked
 from conformance.runtime.sides import live_pair
 from conformance.runtime.stepping import StepResult, Training
+from conformance.runtime.transplant import TransplantError
 
 STEPS = 3
 """Train steps compared for parity."""

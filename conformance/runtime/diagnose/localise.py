@@ -133,7 +133,7 @@ def record_linen(runner: LinenRunner, params: Flat, batch: Batch) -> Recorder:
             return runner.module.apply({"params": tree}, *model_inputs(batch))
 
     # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
-    jax.block_until_ready(jax.jit(forward)(runner.tree(params), batch))
+    jax.block_until_ready(jax.jit(forward)(runner.pack(params), batch))
     jax.effects_barrier()
     return recorder
 
@@ -185,7 +185,7 @@ def record_nnx(runner: NnxRunner, params: Flat, batch: Batch) -> Recorder:
         with _nnx_methods_recorded(model, recorder):
             return nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))[0]
 
-    state, rest = runner.state(params), runner.rest(mesh_of(params))
+    state, rest = runner.pack(params), runner.rest(mesh_of(params))
     # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
     jax.block_until_ready(jax.jit(forward)(state, rest, batch))
     jax.effects_barrier()
