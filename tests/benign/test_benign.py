@@ -33,5 +33,6 @@ def test_variant_passes(case, monkeypatch, tmp_path, tier, primary_mesh):
     mesh, _ = primary_mesh
     if reason := tier.leaves_out(variant.family, facets(mesh, quant)):
         pytest.skip(f"not run: tier {tier.name} leaves out {check} with {reason}")
-    monkeypatch.setattr(*variant.patch)
+    for patch in variant.patches:
+        monkeypatch.setattr(*patch)
     run_check(check, variant.family, tmp_path, mesh, quant=quant)

@@ -3,7 +3,8 @@
 The mirror of the planted faults. Each variant changes how a built-in family's NNX side
 computes, never what: another order of sub-calls, another attention kernel, another
 formula for the same normalisation, one fused projection for three, ``einsum`` for
-``dot_general``. Every check listed for a variant must pass on it; a harness that fails
+``dot_general``; or rewrites both sides alike in a way a zoo may (padded vocabulary
+entries masked to ``-inf``). Every check listed for a variant must pass on it; a harness that fails
 one cries wolf. Float rounding that quantization carries across quantization steps
 passes through the quantization-aware policy (:mod:`conformance.core.rounding`). A check
 that rightly sees a real difference in a variant is listed with why, as a strict
@@ -23,6 +24,7 @@ from flax import nnx
 
 from conformance.contract import Family, QuantScope
 from conformance_models import common, nnx_layers
+from conformance_models.llama import linen_model as llama_linen
 from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
 from conformance_models.moe import nnx_model as moe_nnx
@@ -57,12 +59,13 @@ _EINSUM_PTQ = (
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """A correct NNX variant: the NNX method it replaces and what it changes, in words."""
+    """A correct variant: the methods it replaces and what it changes, in words."""
 
     name: str
     what: str
-    patch: tuple[Any, str, Any]
-    """``(class, method name, replacement)`` in the built-in NNX model's code."""
+    patches: tuple[tuple[Any, str, Any], ...]
+    """``(class, method name, replacement)`` in the built-in models' code: NNX's, or both
+    sides' alike."""
     family: Family = dataclasses.field(default_factory=LlamaFamily)
     expected_failures: Mapping[tuple[str, str | None], str] = dataclasses.field(
         default_factory=dict
@@ -169,32 +172,52 @@ def _experts_one_by_one(self: moe_nnx.MoeMlp, x: jax.Array) -> jax.Array:
     return out
 
 
+PADDED_VOCAB = 3
+"""How many of the vocabulary's last entries :func:`_masking_padded_vocab` masks."""
+
+
+def _masking_padded_vocab(call: Any) -> Any:
+    """``call``, its logits' last :data:`PADDED_VOCAB` entries set to ``-inf``.
+
+    A zoo that pads its vocabulary to a multiple of the shard count masks the padding so
+    softmax gives it no mass: correct on both sides, and every logits row stays finite.
+    """
+
+    def masked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = call(self, *args, **kwargs)
+        vocab = out.shape[-1]
+        padding = jnp.arange(vocab) >= vocab - PADDED_VOCAB
+        return jnp.where(padding, jnp.asarray(-jnp.inf, out.dtype), out)
+
+    return masked
+
+
 VARIANTS: tuple[Variant, ...] = (
     Variant(
         "mlp-up-before-gate",
         "the MLP calls its up projection before its gate",
-        (llama_nnx.Mlp, "__call__", _up_before_gate),
+        ((llama_nnx.Mlp, "__call__", _up_before_gate),),
     ),
     Variant(
         "rmsnorm-division",
         "RMSNorm divides by sqrt(mean(x*x) + eps) instead of multiplying by rsqrt",
-        (llama_nnx.RMSNorm, "__call__", _reciprocal_sqrt_by_division),
+        ((llama_nnx.RMSNorm, "__call__", _reciprocal_sqrt_by_division),),
     ),
     Variant(
         "jax-attention",
         "attention is jax.nn.dot_product_attention (scale on the scores, XLA softmax)",
-        (llama_nnx.Attention, "__call__", jax_attention),
+        ((llama_nnx.Attention, "__call__", jax_attention),),
     ),
     Variant(
         "fused-qkv",
         "one projection with the query, key and value kernels concatenated, then split",
-        (llama_nnx.Attention, "__call__", _fused_qkv),
+        ((llama_nnx.Attention, "__call__", _fused_qkv),),
         expected_failures={("quant_forward", "ptq_int8"): _FUSED_PTQ},
     ),
     Variant(
         "einsum-projection",
         "every projection is jnp.einsum instead of lax.dot_general",
-        (nnx_layers.DenseGeneral, "__call__", _einsum_projection),
+        ((nnx_layers.DenseGeneral, "__call__", _einsum_projection),),
         EinsumScope(),
         expected_failures={("quant_forward", "ptq_int8"): _EINSUM_PTQ},
     ),
@@ -202,9 +225,18 @@ VARIANTS: tuple[Variant, ...] = (
         "moe-experts-one-by-one",
         "the MoE layer runs its experts in a Python loop and sums them, and takes the "
         "load-balancing loss's mean and square as a mean over axes and a dot product",
-        (moe_nnx.MoeMlp, "__call__", _experts_one_by_one),
+        ((moe_nnx.MoeMlp, "__call__", _experts_one_by_one),),
         MoeFamily(),
         checks=(("forward", None), ("train_step", None), ("aux_losses", None)),
+    ),
+    Variant(
+        "padded-vocab-masked",
+        f"both sides set the logits of the vocabulary's last {PADDED_VOCAB} entries to -inf",
+        (
+            (llama_linen.Llama, "__call__", _masking_padded_vocab(llama_linen.Llama.__call__)),
+            (llama_nnx.Llama, "__call__", _masking_padded_vocab(llama_nnx.Llama.__call__)),
+        ),
+        checks=(("finite", None), ("forward", None)),
     ),
 )
 """Every benign variant."""
