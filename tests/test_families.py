@@ -13,13 +13,16 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from conformance import families
 from conformance.checks import registry
-from conformance.contract import discovery, validate
+from conformance.checks.declare import Axis, Check
+from conformance.contract import Backend, discovery, problems, validate
 from conformance.core.failure import CheckFailure
 from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
-from conformance.families import Family
-from conformance.pytest_plugin.plan import divergence_problems
+from conformance.families import Divergence, Family, FirstEditionWarning
+from conformance.pytest_plugin.divergences import divergence_problems, first_edition_spellings
+from conformance.pytest_plugin.plan import Planned, plan
 from conformance.pytest_plugin.session import Settings
+from conformance.pytest_plugin.suite import _refuse_unknown_divergences
 from conformance.pytest_plugin.tiers import get_tier
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext import config as maxtext_config
@@ -137,13 +140,126 @@ def test_a_known_divergence_that_marks_no_test_is_a_problem_naming_it():
     run = Settings(
         (Misspelt(),), (parse_mesh("fsdp=8"),), (), get_tier("full"), "low", Goldens(None)
     )
-    found = divergence_problems(Misspelt(), run, {"own_test": {"gpt3-loop"}})
+    own = Check(name="own_test", run=None, axes=(Axis.FAMILY,))
+    tests = [Planned(own, Misspelt(), "gpt3", {"family": Misspelt()}, {})]
+    found = divergence_problems(Misspelt(), run, {"own_test": tests})
     assert found == [
         "family 'gpt3' declares a known divergence 'layuot[remat]' of 'layuot', which is no "
         "check; did you mean 'layout'?",
         "family 'gpt3' declares a known divergence 'layout[rematt]', but no test of layout "
         "has 'rematt' in its id (e.g. 'gpt3-data2-fsdp2-tensor2-remat')",
     ]
+
+
+class Typed(Gpt3Family):
+    known_divergences = (
+        Divergence("layout", "remat changes rounding", {"variant": "remat"}),
+        Divergence("hygiene", "keeps a counter"),
+        Divergence(
+            "sharding_invariance",
+            "partitioned",
+            {"mesh": "data2-fsdp2-tensor2", "scan_layers": True, "backend": Backend.NNX},
+        ),
+        Divergence("quant_params", "Linen kernels stay float", {"quant": ("ptq_int8", "ptq_fp8")}),
+    )
+
+
+def _run(family: Family) -> Settings:
+    meshes = (parse_mesh("fsdp=8"), parse_mesh("data=2,fsdp=2,tensor=2"))
+    return Settings((family,), meshes, (), get_tier("full"), "low", Goldens(None))
+
+
+def _marked(family: Family, check: str) -> list[str]:
+    return [
+        p.id
+        for p in plan(registry.get(check), family, _run(family))
+        if (found := p.expected()) is not None and "known divergence" in found.reason
+    ]
+
+
+def test_a_typed_known_divergence_marks_the_tests_its_axes_and_parameters_select():
+    assert _marked(Typed(), "layout") == ["gpt3-fsdp8-remat", "gpt3-data2-fsdp2-tensor2-remat"]
+    every = plan(registry.get("hygiene"), Typed(), _run(Typed()))
+    assert _marked(Typed(), "hygiene") == [p.id for p in every]
+    assert _marked(Typed(), "sharding_invariance") == ["gpt3-data2-fsdp2-tensor2-scan-nnx"]
+    assert {i.rsplit("-", 1)[1] for i in _marked(Typed(), "quant_params")} == {
+        "ptq_int8",
+        "ptq_fp8",
+    }
+    assert len(_marked(Typed(), "quant_params")) == 8  # 2 meshes x 2 layouts x 2 modes
+    assert _marked(Typed(), "train_step") == []
+    assert divergence_problems(Typed(), _run(Typed())) == []
+
+
+class TypedTypos(Gpt3Family):
+    known_divergences = (
+        Divergence("layuot", "a misspelt check"),
+        Divergence("layout", "a misspelt axis", {"varaint": "remat"}),
+        Divergence("layout", "a value no test has", {"variant": "rematt"}),
+        Divergence("sharding_invariance", "no such layout", {"scan_layers": "none"}),
+        Divergence("layout", "one option no test has", {"variant": ("remat", "x")}),
+    )
+
+
+def test_a_typed_known_divergence_that_selects_no_test_is_a_one_line_problem():
+    found = divergence_problems(TypedTypos(), _run(TypedTypos()))
+    assert found == [
+        "family 'gpt3' declares a known divergence of 'layuot', which is no check; did you "
+        "mean 'layout'?",
+        "family 'gpt3' declares a known divergence of layout narrowed by 'varaint', no axis "
+        "or parameter of it (family, mesh, variant)",
+        "family 'gpt3' declares a known divergence of layout where variant is 'rematt', but no "
+        "test of it on gpt3 is (its variant: remat, scan_layers)",
+        "family 'gpt3' declares a known divergence of sharding_invariance where scan_layers is "
+        "'none', but no test of it on gpt3 is (its scan_layers: loop, scan)",
+        "family 'gpt3' declares a known divergence of layout where variant is 'x', but no test "
+        "of it on gpt3 is (its variant: remat, scan_layers)",
+    ], found
+    assert all("\n" not in line for line in found)
+
+
+def test_a_first_edition_key_is_shown_in_the_second_spelling():
+    legacy = Diverging()
+    assert first_edition_spellings(legacy, _run(legacy)) == [
+        "'layout[remat]' -> Divergence('layout', reason, {'variant': 'remat'})",
+        "'hygiene' -> Divergence('hygiene', reason)",
+    ]
+    assert first_edition_spellings(Typed(), _run(Typed())) == []
+
+
+class PtqFragment(Gpt3Family):
+    known_divergences = MappingProxyType(
+        {"quant_forward[ptq]": "Linen kernels stay float", "layout[fsdp8-r]": "cuts a part"}
+    )
+
+
+def test_a_fragment_inside_id_parts_is_spelt_as_the_parts_it_marks():
+    assert first_edition_spellings(PtqFragment(), _run(PtqFragment())) == [
+        "'quant_forward[ptq]' -> Divergence('quant_forward', reason, "
+        "{'quant': ('ptq_fp8', 'ptq_int8')})",
+        "'layout[fsdp8-r]' -> Divergence('layout', reason, {...}  # name the axes 'fsdp8-r' cuts)",
+    ]
+
+
+def test_a_first_edition_family_warns_once_with_the_new_spelling_and_still_works():
+    with pytest.warns(FirstEditionWarning, match=r"'layout\[remat\]' -> Divergence") as caught:
+        _refuse_unknown_divergences(_run(Diverging()), [])
+    assert len(caught) == 1
+    found = registry.expected_failure(registry.get("hygiene"), Diverging(), {}, "gpt3-fsdp8-loop")
+    assert found is not None
+    assert found.reason == "gpt3 known divergence: keeps a counter"
+
+
+class StringsNotDivergences(Gpt3Family):
+    known_divergences = ("layout[remat]",)
+
+
+def test_known_divergences_that_are_no_divergence_values_fail_at_load():
+    assert problems(StringsNotDivergences()) == [
+        "family 'gpt3' declares known_divergences with entries that are not "
+        "Divergence(check: str, reason: str, where: Mapping): ['layout[remat]']"
+    ]
+    assert problems(Typed()) == []
 
 
 def test_a_known_library_failure_must_fail_as_a_check_failure():

@@ -20,10 +20,13 @@ from conformance.contract.values import (
     Backend,
     Batch,
     Capabilities,
+    Divergence,
     FamilyError,
+    FirstEditionWarning,
     LogicalRules,
     PathRules,
     QuantScope,
+    divergences,
 )
 
 __all__ = [
@@ -32,8 +35,10 @@ __all__ = [
     "Backend",
     "Batch",
     "Capabilities",
+    "Divergence",
     "Family",
     "FamilyError",
+    "FirstEditionWarning",
     "LogicalRules",
     "DECODE_STYLES",
     "PREDICTIONS",
@@ -41,6 +46,7 @@ __all__ = [
     "PathRules",
     "QuantScope",
     "builtin",
+    "divergences",
     "get",
     "problems",
     "registry",

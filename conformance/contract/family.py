@@ -8,7 +8,7 @@ other harness module: it is the whole interface a model zoo writes against.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -21,6 +21,7 @@ from flax import nnx
 from conformance.contract.values import (
     Batch,
     Capabilities,
+    Divergence,
     FamilyError,
     LogicalRules,
     PathRules,
@@ -88,14 +89,17 @@ class Family(abc.ABC):
 
     capabilities: Capabilities = Capabilities()
 
-    known_divergences: Mapping[str, str] = MappingProxyType({})
-    """Checks this family is known to fail, each with the reason: a finding, not noise.
+    known_divergences: Sequence[Divergence] | Mapping[str, str] = ()
+    """Tests this family is known to fail, each with the reason: a finding, not noise.
 
-    A key is a check name (``"grad_accumulation"``) or a check narrowed to the test ids
-    containing a fragment (``"layout[remat]"``). The suite marks those tests as strict
-    expected failures, so a fix upstream turns them red until the entry is removed. A
-    key that can mark no test (no such check, or no test id with the fragment) is a
-    usage error when the suite is collected.
+    Each is a :class:`~conformance.contract.Divergence`: a check, narrowed by axis and
+    parameter values (``Divergence("layout", why, {"mesh": "fsdp8", "scan_layers":
+    True})``). The suite marks those tests as strict expected failures, so a fix
+    upstream turns them red until the entry is removed. One that can mark no test (no
+    such check, axis or value) is a usage error when the suite is collected.
+
+    The first edition's spelling, ``{key: reason}`` with a key ``"check"`` or
+    ``"check[id fragment]"`` (a test-id substring), still works.
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})

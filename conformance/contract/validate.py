@@ -8,6 +8,7 @@ family with any (:func:`validate`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from conformance.contract.family import Family
@@ -16,6 +17,7 @@ from conformance.contract.values import (
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
+    Divergence,
     FamilyError,
 )
 
@@ -65,6 +67,7 @@ def problems(family: Family) -> list[str]:
             f"{', '.join(BACKENDS)}"
         )
     found += _decoding(family)
+    found += _divergences(family)
     if not family.has_linen and not caps.recorded:
         found.append(
             f"family {name!r} defines no linen_module and declares no recorded reference "
@@ -90,6 +93,31 @@ def problems(family: Family) -> list[str]:
                 )
                 break
     return found
+
+
+def _divergences(family: Family) -> list[str]:
+    """``known_divergences`` that are neither Divergence values nor a first-edition mapping.
+
+    Whether each selects a test is checked when the suite is collected, against the
+    registered checks.
+    """
+    declared = family.known_divergences
+    if isinstance(declared, Mapping):
+        wrong = [k for k, v in declared.items() if not (isinstance(k, str) and isinstance(v, str))]
+        what = "keys and reasons that are not strings"
+    else:
+        wrong = [
+            d
+            for d in declared
+            if not isinstance(d, Divergence)
+            or not isinstance(d.check, str)
+            or not isinstance(d.reason, str)
+            or not isinstance(d.where, Mapping)
+        ]
+        what = "entries that are not Divergence(check: str, reason: str, where: Mapping)"
+    if not wrong:
+        return []
+    return [f"family {family.name!r} declares known_divergences with {what}: {wrong[:3]!r}"]
 
 
 def _decoding(family: Family) -> list[str]:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 import jax
 
@@ -83,6 +85,70 @@ class QuantScope:
     in NNX), so it must accept both backends' spellings."""
     op_names: tuple[str, ...] = ("dot_general",)
     """Intercepted ``jax`` operations to quantize (``dot_general``, ``einsum``, ...)."""
+
+
+class FirstEditionWarning(FutureWarning):
+    """A family declares something in the Family contract's first-edition spelling.
+
+    It still works; the warning shows the second edition's spelling of each declaration.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """A finding: the tests of one check a family fails, narrowed by what they run on.
+
+    ``where`` narrows by the tests' axes and the check's own parameters, by name: each
+    value is the test-id part (``{"mesh": "data2-fsdp2-tensor2", "scan_layers": "scan"}``)
+    or the value itself (``{"scan_layers": True}``), and a tuple of them matches any
+    (``{"quant": ("ptq_int8", "ptq_fp8")}``). An empty ``where`` selects every test of
+    the check. The check, each name and each value are checked when the suite is
+    collected: one that selects no test is a usage error, never a silent no-op.
+    """
+
+    check: str
+    reason: str
+    where: Mapping[str, Any] = MappingProxyType({})
+
+    def options(self, name: str) -> tuple[Any, ...]:
+        """The values ``where`` accepts for ``name``, any of which matches."""
+        wanted = self.where[name]
+        return wanted if isinstance(wanted, tuple) else (wanted,)
+
+    def accepts(self, name: str, part: str | None, value: Any) -> bool:
+        """Whether a test whose ``name`` has id part ``part`` and ``value`` is selected.
+
+        An option matches the id part, the value, or the value's ``id`` (a mesh's).
+        """
+        return any(
+            option in (part, value) or option == getattr(value, "id", None)
+            for option in self.options(name)
+        )
+
+    def selects(self, check: str, parts: Mapping[str, str], values: Mapping[str, Any]) -> bool:
+        """Whether it selects the test of ``check`` with these id ``parts`` and ``values``.
+
+        Both are keyed by axis and parameter name; a test of a zoo's own may know values
+        only.
+        """
+        return check == self.check and all(
+            (name in parts or name in values)
+            and self.accepts(name, parts.get(name), values.get(name))
+            for name in self.where
+        )
+
+
+def divergences(
+    declared: Sequence[Divergence] | Mapping[str, str],
+) -> tuple[tuple[Divergence, ...], Mapping[str, str]]:
+    """A family's ``known_divergences`` as ``(typed, by first-edition key)``.
+
+    The first edition's ``{"check[id fragment]": reason}`` mapping is the second part;
+    a sequence of :class:`Divergence` values the first.
+    """
+    if isinstance(declared, Mapping):
+        return (), declared
+    return tuple(declared), MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True)

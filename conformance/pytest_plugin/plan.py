@@ -10,7 +10,6 @@ needs, else a strict xfail when the registry expects it to fail).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,14 +22,12 @@ from conformance.checks.registry import (
     Check,
     ExpectedFailure,
     Param,
-    checks,
     expected_failure,
 )
 from conformance.contract import Backend, Family
 from conformance.core.references import MANIFEST, directory, references_root
-from conformance.core.sharding import MeshSpec, parse_mesh
+from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import compiles
-from conformance.pytest_plugin.options import DEFAULT_MESHES
 from conformance.pytest_plugin.session import DTYPES, LAYOUTS, Settings, settings
 from conformance.runtime.quant import MODES
 
@@ -61,6 +58,8 @@ class Planned:
     """Axis name -> value (``family``, ``mesh``, ``scan_layers``, ...)."""
     params: Mapping[str, Param]
     """The check's own parameters, by name."""
+    parts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Each axis's and parameter's part of :attr:`id`, by name (empty for a zoo's own test)."""
 
     def __repr__(self) -> str:
         return self.id
@@ -85,7 +84,11 @@ class Planned:
 
     def expected(self) -> ExpectedFailure | None:
         """Why it is expected to fail, if it is (whether or not the family can run it)."""
-        return expected_failure(self.check, self.family, self.values, self.id)
+        return expected_failure(self.check, self.family, self.by_name(), self.id, self.parts)
+
+    def by_name(self) -> dict[str, Any]:
+        """Each axis's and parameter's value, by name."""
+        return {**self.values, **{name: p.value for name, p in self.params.items()}}
 
     @property
     def registered(self) -> bool:
@@ -193,46 +196,10 @@ def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
         chosen, own = combo[: len(axes)], combo[len(axes) :]
         ids = [i for i, _ in chosen] + [p.id for _, p in own]
         values = {name: value for name, (_, value) in zip(check.axes, chosen, strict=True)}
-        planned.append(Planned(check, family, "-".join(ids), values, dict(own)))
+        names = [*check.axes, *(name for name, _ in own)]
+        parts = dict(zip(names, ids, strict=True))
+        planned.append(Planned(check, family, "-".join(ids), values, dict(own), parts))
     return planned
-
-
-def divergence_problems(
-    family: Family, run: Settings, own: Mapping[str, set[str]] | None = None
-) -> list[str]:
-    """Each of ``family``'s known divergences that can mark no test, a line each.
-
-    A key is ``check`` or ``check[fragment]``: a registered check, or one of the run's
-    own tests (``own``: each test's name and its ids), and a fragment of one of its test
-    ids on ``family``, on the run's meshes or the default ones. Anything else is a typo
-    that would silently mark nothing. A check with no test here (``tpu_compile``
-    without ``--tpu``) keeps its fragment unchecked: it marks nothing in this run.
-    """
-    own = own or {}
-    meshes = (*run.meshes, *(parse_mesh(m) for m in DEFAULT_MESHES))
-    wider = dataclasses.replace(run, meshes=tuple(dict.fromkeys(meshes)))
-    found, registered = [], checks()
-    for key in family.known_divergences:
-        name, bracket, fragment = key.partition("[")
-        fragment = fragment.removesuffix("]")
-        if name in registered:
-            ids = {p.id for p in plan(registered[name], family, wider)}
-        elif name in own:
-            ids = own[name]
-        else:
-            close = difflib.get_close_matches(name, [*registered, *own], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            found.append(
-                f"family {family.name!r} declares a known divergence {key!r} of {name!r}, "
-                f"which is no check{hint}"
-            )
-            continue
-        if bracket and ids and not any(fragment in i for i in ids):
-            found.append(
-                f"family {family.name!r} declares a known divergence {key!r}, but no test of "
-                f"{name} has {fragment!r} in its id (e.g. {sorted(ids)[0]!r})"
-            )
-    return found
 
 
 def _because(family: Family, reason: str, *keys: str) -> str:

@@ -13,25 +13,27 @@ from __future__ import annotations
 import hashlib
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conformance.checks import registry
+from conformance.contract import FirstEditionWarning
 from conformance.core import distributed
 from conformance.core.failure import CheckFailure
 from conformance.core.references import references_root
 from conformance.core.roots import GoldensError
 from conformance.core.sharding import InsufficientDevices, MeshSpec
 from conformance.pytest_plugin import options
+from conformance.pytest_plugin.divergences import divergence_problems, first_edition_spellings
 from conformance.pytest_plugin.goldens import WRITTEN, Golden
 from conformance.pytest_plugin.matrix import CLAIMED
 from conformance.pytest_plugin.plan import (
     CASE,
     Planned,
     check_name,
-    divergence_problems,
     group_of,
     marks,
     plan,
@@ -130,14 +132,24 @@ def _refuse_unknown_divergences(run: Settings, items: list[pytest.Item]) -> None
 
     The run's own tests (a zoo's, over the plugin's axes) count as checks too.
     """
-    own: dict[str, set[str]] = {}
+    own: dict[str, list[Planned]] = {}
     registered = registry.checks()
     for item in items:
         if (planned := planned_of(item)) is not None and planned.check.name not in registered:
-            own.setdefault(planned.check.name, set()).add(planned.id)
+            own.setdefault(planned.check.name, []).append(planned)
     problems = [line for family in run.families for line in divergence_problems(family, run, own)]
     if problems:
         raise pytest.UsageError("; ".join(problems))
+    for family in run.families:
+        if spellings := first_edition_spellings(family, run):
+            warnings.warn(
+                FirstEditionWarning(
+                    f"family {family.name!r} declares known_divergences as "
+                    "{'check[id fragment]': reason}, the first edition's spelling; write "
+                    "a tuple of Divergence values: " + "; ".join(spellings)
+                ),
+                stacklevel=1,
+            )
 
 
 def tier_leaves_out(tier: Tier, planned: Planned, item: pytest.Item) -> str:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from conformance.checks.declare import Check
-from conformance.contract import Family
+from conformance.contract import Family, divergences
 from conformance.core.failure import CheckFailure
 
 
@@ -20,17 +21,27 @@ class ExpectedFailure:
 
 
 def expected_failure(
-    check: Check, family: Family, values: Mapping[str, Any], case_id: str
+    check: Check,
+    family: Family,
+    values: Mapping[str, Any],
+    case_id: str,
+    parts: Mapping[str, str] = MappingProxyType({}),
 ) -> ExpectedFailure | None:
     """Why ``check`` fails on this case: a known library failure or a family's divergence.
 
-    A known library failure must fail as a check failure; a divergence a family declares
-    (``Family.known_divergences``, keyed ``check`` or ``check[id fragment]``) may fail
-    any way, since it is the family's finding.
+    ``values`` and ``parts`` (each axis's and parameter's value and test-id part) select
+    the family's divergences (:class:`~conformance.contract.Divergence`); a first-edition key
+    (``check`` or ``check[id fragment]``) matches ``case_id``. A known library failure
+    must fail as a check failure; a divergence a family declares may fail any way, since
+    it is the family's finding.
     """
     if check.known_failure is not None and (reason := check.known_failure(values)):
         return ExpectedFailure(reason, CheckFailure)
-    for key, reason in family.known_divergences.items():
+    typed, by_key = divergences(family.known_divergences)
+    for divergence in typed:
+        if divergence.selects(check.name, parts, values):
+            return ExpectedFailure(f"{family.name} known divergence: {divergence.reason}")
+    for key, reason in by_key.items():
         name, _, fragment = key.partition("[")
         if name == check.name and fragment.removesuffix("]") in case_id:
             return ExpectedFailure(f"{family.name} known divergence: {reason}")

@@ -1,0 +1,147 @@
+"""Known divergences held to the tests they mark: a typo is a usage error, not a no-op.
+
+A family's :attr:`~conformance.contract.Family.known_divergences` are checked when the
+suite is collected (:func:`divergence_problems`); the first edition's spelling, a mapping
+keyed ``check[id fragment]``, still works and is shown in the second's
+(:func:`first_edition_spellings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping, Sequence
+
+from conformance.checks.registry import checks
+from conformance.contract import Divergence, Family, divergences
+from conformance.core.sharding import parse_mesh
+from conformance.pytest_plugin.options import DEFAULT_MESHES
+from conformance.pytest_plugin.plan import Planned, plan
+from conformance.pytest_plugin.session import Settings
+
+
+def _wider(run: Settings) -> Settings:
+    """``run`` on its meshes and the default ones: where a divergence may mark a test."""
+    meshes = (*run.meshes, *(parse_mesh(m) for m in DEFAULT_MESHES))
+    return dataclasses.replace(run, meshes=tuple(dict.fromkeys(meshes)))
+
+
+def divergence_problems(
+    family: Family, run: Settings, own: Mapping[str, Sequence[Planned]] | None = None
+) -> list[str]:
+    """Each of ``family``'s known divergences that can mark no test, a line each.
+
+    A divergence names a registered check or one of the run's own tests (``own``: each
+    test's name and its planned tests), narrowed to tests of ``family`` on the run's
+    meshes or the default ones: by axis and parameter values (a
+    :class:`~conformance.contract.Divergence`), or by a fragment of the test id (a
+    first-edition ``check[fragment]`` key). Anything else is a typo that would silently
+    mark nothing. A check with no test here (``tpu_compile`` without ``--tpu``) keeps its
+    narrowing unchecked: it marks nothing in this run.
+    """
+    own = own or {}
+    wider = _wider(run)
+    registered = checks()
+    typed, by_key = divergences(family.known_divergences)
+    found = []
+
+    def tests(key: str, name: str) -> Sequence[Planned] | None:
+        """The tests named ``name`` on ``family``; ``None`` after a problem if there are none."""
+        if name in registered:
+            return plan(registered[name], family, wider)
+        if name in own:
+            return [p for p in own[name] if p.family.name == family.name]
+        close = difflib.get_close_matches(name, [*registered, *own], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        found.append(
+            f"family {family.name!r} declares a known divergence {key}of {name!r}, "
+            f"which is no check{hint}"
+        )
+        return None
+
+    for divergence in typed:
+        planned = tests("", divergence.check)
+        if planned:
+            found += _unselected(family, divergence, planned)
+    for key, _ in by_key.items():
+        name, bracket, fragment = key.partition("[")
+        fragment = fragment.removesuffix("]")
+        ids = {p.id for p in tests(f"{key!r} ", name) or ()}
+        if bracket and ids and not any(fragment in i for i in ids):
+            found.append(
+                f"family {family.name!r} declares a known divergence {key!r}, but no test of "
+                f"{name} has {fragment!r} in its id (e.g. {sorted(ids)[0]!r})"
+            )
+    return found
+
+
+def _unselected(family: Family, divergence: Divergence, planned: Sequence[Planned]) -> list[str]:
+    """What keeps ``divergence`` from selecting tests of ``planned``, a line per cause.
+
+    A name that is no axis or parameter of the check, or a value (any one of a tuple's)
+    that no test has.
+    """
+    head = f"family {family.name!r} declares a known divergence of {divergence.check}"
+    names = {*planned[0].values, *planned[0].params}
+    problems = []
+    for name in divergence.where:
+        if name not in names:
+            has = ", ".join(sorted(names)) or "none"
+            problems.append(f"{head} narrowed by {name!r}, no axis or parameter of it ({has})")
+            continue
+        seen = {p.parts.get(name) or str(p.by_name()[name]) for p in planned}
+        for option in divergence.options(name):
+            single = dataclasses.replace(divergence, where={name: option})
+            if not any(single.accepts(name, p.parts.get(name), p.by_name()[name]) for p in planned):
+                problems.append(
+                    f"{head} where {name} is {option!r}, but no test of it on {family.name} is "
+                    f"(its {name}: {', '.join(sorted(seen))})"
+                )
+    return problems
+
+
+def first_edition_spellings(family: Family, run: Settings) -> list[str]:
+    """Each first-edition key of ``family``'s known divergences, in the second spelling.
+
+    A key's fragment becomes the id parts, by name, of the tests it marks: whole parts
+    (``layout[fsdp8-remat]``: ``{"mesh": "fsdp8", "variant": "remat"}``) or the parts
+    of one name it is inside (``quant_params[ptq]``: ``{"quant": ("ptq_fp8",
+    "ptq_int8")}``), when those select exactly the tests the fragment marks.
+    """
+    _, by_key = divergences(family.known_divergences)
+    registered, lines = checks(), []
+    for key in by_key:
+        name, bracket, fragment = key.partition("[")
+        fragment = fragment.removesuffix("]")
+        where = ""
+        if bracket and name in registered:
+            every = plan(registered[name], family, _wider(run))
+            found = _spelling(name, fragment, every)
+            where = f", {found!r}" if found else f", {{...}}  # name the axes {fragment!r} cuts"
+        lines.append(f"{key!r} -> Divergence({name!r}, reason{where})")
+    return lines
+
+
+def _spelling(check: str, fragment: str, every: Sequence[Planned]) -> dict[str, object] | None:
+    """The ``where`` selecting exactly the tests of ``every`` whose id has ``fragment``."""
+    marked = [p for p in every if fragment in p.id]
+    found: dict[str, set[str]] = {}
+    for planned in marked:
+        for name, part in _parts(planned, fragment).items():
+            found.setdefault(name, set()).add(part)
+    where = {n: next(iter(v)) if len(v) == 1 else tuple(sorted(v)) for n, v in found.items()}
+    divergence = Divergence(check, "", where)
+    selected = [p for p in every if divergence.selects(check, p.parts, p.by_name())]
+    return where if where and selected == marked else None
+
+
+def _parts(planned: Planned, fragment: str) -> dict[str, str]:
+    """The consecutive id parts of ``planned`` that spell ``fragment``, or the one holding it."""
+    names = [str(name) for name in planned.parts]
+    parts = [planned.parts[name] for name in planned.parts]
+    for start in range(len(names)):
+        for end in range(start + 1, len(names) + 1):
+            if "-".join(parts[start:end]) == fragment:
+                return dict(zip(names[start:end], parts[start:end], strict=True))
+    holding = [i for i, part in enumerate(parts) if fragment in part]
+    return {names[holding[0]]: parts[holding[0]]} if len(holding) == 1 else {}
