@@ -28,6 +28,7 @@ from conformance.families import (
     QUANTIZATION_MODES,
     Batch,
     Capabilities,
+    Divergence,
     Family,
     FamilyError,
     LogicalRules,
@@ -69,7 +70,7 @@ class MaxTextFamily(Family):
     )
     train_rngs = ("dropout",)
 
-    divergences: ClassVar[Mapping[str, Mapping[str, str]]] = MappingProxyType({})
+    divergences: ClassVar[Mapping[str, tuple[Divergence, ...]]] = MappingProxyType({})
     """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
 
     def unavailable(self) -> str | None:
@@ -82,9 +83,9 @@ class MaxTextFamily(Family):
         return None if releases.unsupported() else releases.installed()
 
     @property
-    def known_divergences(self) -> Mapping[str, str]:  # type: ignore[override]
+    def known_divergences(self) -> tuple[Divergence, ...]:  # type: ignore[override]
         """The installed release's known divergences (:attr:`divergences`)."""
-        return self.divergences.get(self.release or "", MappingProxyType({}))
+        return self.divergences.get(self.release or "", ())
 
     def upgrade_reference(
         self, leaves: Mapping[str, Any], versions: Mapping[str, str]
@@ -270,10 +271,17 @@ _PTQ_LINEN = (
 )
 
 
-def _ptq_divergences(leaves: str) -> dict[str, str]:
+_PTQ = MappingProxyType({"quant": ("ptq_int8", "ptq_fp8")})
+_SCAN = MappingProxyType({"scan_layers": True})
+_LOOP = MappingProxyType({"scan_layers": False})
+_MESH3 = MappingProxyType({"mesh": "data2-fsdp2-tensor2"})
+"""What known divergences are narrowed by: PTQ modes, a layer layout, the 3-axis mesh."""
+
+
+def _ptq_divergences(leaves: str) -> tuple[Divergence, ...]:
     """PTQ's parameter layout and forward fail alike: Linen kernels are never quantized."""
     reason = _PTQ_LINEN.format(leaves=leaves)
-    return {"quant_params[ptq]": reason, "quant_forward[ptq]": reason}
+    return Divergence("quant_params", reason, _PTQ), Divergence("quant_forward", reason, _PTQ)
 
 
 _MOE_AQT = (
@@ -297,9 +305,10 @@ _MOE_AQT_BRIDGED = (
     "layers in convert and serve), while the NNX model builds. Scanned layers' AQT forward "
     "and train step agree on 0.2.5; on 0.2.4 every mode failed on both backends"
 )
-_VOCAB_TILING = MappingProxyType(
-    {
-        "vocab_tiling": "maxtext 0.2.4's vocab-tiled losses (utils/vocabulary_tiling.py: "
+_VOCAB_TILING = Divergence(
+    "vocab_tiling",
+    (
+        "maxtext 0.2.4's vocab-tiled losses (utils/vocabulary_tiling.py: "
         "vocab_tiling_linen_loss, vocab_tiling_nnx_loss) multiply the output head's gradient "
         "by the loss cotangent but not the hidden states' gradient, so with a mean loss the "
         "gradients below the output head come out too large: on gpt3 and llama2 exactly 92x, "
@@ -307,7 +316,7 @@ _VOCAB_TILING = MappingProxyType(
         "untiled, 9.49 tiled), about 92x on gemma2's local-attention query kernel and up "
         "to 154x on deepseek3; the loss itself is right, and both backends alike (tiled "
         "Linen and NNX agree to 1.1e-5)"
-    }
+    ),
 )
 _MOE_FP8 = (
     "the routed MoE's dense path (layers/moe.py aqt_einsum) builds its einsum at call time "
@@ -317,31 +326,31 @@ _MOE_FP8 = (
 )
 
 
-_VOCAB_TILING_BRIDGED = MappingProxyType(
-    {
-        "vocab_tiling": "maxtext 0.2.5 deleted its Linen tiled loss (vocab_tiling_linen_loss), "
+_VOCAB_TILING_BRIDGED = Divergence(
+    "vocab_tiling",
+    (
+        "maxtext 0.2.5 deleted its Linen tiled loss (vocab_tiling_linen_loss), "
         "and its Linen face cannot run the NNX one: the ToLinen bridge's Qwix patch "
         "(layers/nnx_wrappers.py _fix_for_qwix_quantization) wraps every NNX module call "
         "to read the innermost Linen module's path, which is None inside "
         "vocab_tiling_nnx_loss's scan: the bridged Linen step raises \"AttributeError: "
         "'NoneType' object has no attribute 'path'\"; the NNX step trains tiled"
-    }
+    ),
 )
 
 
 def _releases(
-    found: Mapping[str, str], only: Mapping[str, Mapping[str, str]] = MappingProxyType({})
-) -> Mapping[str, Mapping[str, str]]:
+    found: tuple[Divergence, ...],
+    only: Mapping[str, tuple[Divergence, ...]] = MappingProxyType({}),
+) -> Mapping[str, tuple[Divergence, ...]]:
     """Known divergences by maxtext release: ``found`` on every release, then ``only``'s.
 
     0.2.4's vocab-tiling bug is 0.2.4's alone (0.2.5 fixed it in NNX and deleted the Linen
     tiled loss, which its bridged Linen side cannot replace).
     """
+    tiling = {"0.2.4": _VOCAB_TILING, "0.2.5": _VOCAB_TILING_BRIDGED}
     return MappingProxyType(
-        {
-            "0.2.4": MappingProxyType({**_VOCAB_TILING, **found, **only.get("0.2.4", {})}),
-            "0.2.5": MappingProxyType({**_VOCAB_TILING_BRIDGED, **found, **only.get("0.2.5", {})}),
-        }
+        {release: (tiling[release], *found, *only.get(release, ())) for release in tiling}
     )
 
 
@@ -365,23 +374,30 @@ class MaxTextGpt3(MaxTextFamily):
     sizes = ("tiny", "gpt3-175b")
     overrides = MappingProxyType({})
     divergences = _releases(
+        (
+            Divergence("grad_accumulation", _BF16_ATTEND),
+            *_ptq_divergences("self_attention/{qkv_proj,out}/kernel and mlp/{wi,wo}/kernel"),
+            Divergence(
+                "layout",
+                "the key bias of the fused qkv_proj has a zero true gradient (softmax "
+                "ignores a per-query shift), so its gradient is rounding noise, which Adam "
+                "scales to steps of up to the learning rate; the noise, and so the step, "
+                "differs between remat policies and between scanned and unrolled layers",
+            ),
+        ),
         {
-            "grad_accumulation": _BF16_ATTEND,
-            **_ptq_divergences("self_attention/{qkv_proj,out}/kernel and mlp/{wi,wo}/kernel"),
-            "layout": "the key bias of the fused qkv_proj has a zero true gradient (softmax "
-            "ignores a per-query shift), so its gradient is rounding noise, which Adam "
-            "scales to steps of up to the learning rate; the noise, and so the step, differs "
-            "between remat policies and between scanned and unrolled layers",
-        },
-        {
-            "0.2.5": {
-                "sharding_invariance[data2-fsdp2-tensor2-scan]": "on data2-fsdp2-tensor2 with "
-                "scanned layers one element of the token-embedding gradient is 1.061e-5 from "
-                "one device's (atol 1e-5), on both backends alike: "
-                + _BF16_ROUNDED
-                + ", and another reduction order moves it by a rounding step (one that "
-                "neither of the check's one-ulp parameter nudges reproduces there)",
-            },
+            "0.2.5": (
+                Divergence(
+                    "sharding_invariance",
+                    "on data2-fsdp2-tensor2 with scanned layers one element of the "
+                    "token-embedding gradient is 1.061e-5 from one device's (atol 1e-5), on "
+                    "both backends alike: "
+                    + _BF16_ROUNDED
+                    + ", and another reduction order moves it by a rounding step (one that "
+                    "neither of the check's one-ulp parameter nudges reproduces there)",
+                    {**_MESH3, **_SCAN},
+                ),
+            ),
         },
     )
 
@@ -397,18 +413,19 @@ class MaxTextLlama2(MaxTextFamily):
     )
     overrides = _SMALL_ATTENTION
     divergences = _releases(
+        _ptq_divergences(
+            "self_attention/{query,key,value,out}/kernel and mlp/{wi_0,wi_1,wo}/kernel"
+        ),
         {
-            **_ptq_divergences(
-                "self_attention/{query,key,value,out}/kernel and mlp/{wi_0,wi_1,wo}/kernel"
-            ),
-        },
-        {
-            "0.2.4": {
-                "grad_accumulation[scan]": "scanned layers: loss and gradients agree; one "
-                "Adam-updated element of self_attention/out/kernel is 1.9e-5 apart (atol "
-                "1e-5): its gradient is near zero, and Adam scales that rounding noise up to "
-                "a step",
-            }
+            "0.2.4": (
+                Divergence(
+                    "grad_accumulation",
+                    "scanned layers: loss and gradients agree; one Adam-updated element of "
+                    "self_attention/out/kernel is 1.9e-5 apart (atol 1e-5): its gradient is "
+                    "near zero, and Adam scales that rounding noise up to a step",
+                    _SCAN,
+                ),
+            )
         },
     )
 
@@ -438,39 +455,44 @@ class MaxTextDeepseek3(MaxTextFamily):
         }
     )
     divergences = _releases(
-        {
-            **_ptq_divergences(
+        (
+            *_ptq_divergences(
                 "self_attention/{wq_a,wq_b,wkv_a,wkv_b,out}/kernel, the dense mlp/{wi_0,wi_1,wo}"
                 "/kernel, the MoE gate/kernel and shared_experts/{wi_0,wi_1,wo}/kernel"
             ),
-            "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
-                gap=0.11, leaf="self_attention/wkv_a/kernel"
+            Divergence(
+                "sharding_invariance",
+                _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
+                _MESH3,
             ),
-        },
+        ),
         {
-            "0.2.4": {
-                **dict.fromkeys(
-                    ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve"), _MOE_AQT_CALL
+            "0.2.4": (
+                *(
+                    Divergence(check, _MOE_AQT_CALL)
+                    for check in ("aqt_forward", "aqt_train_step", "aqt_convert", "aqt_serve")
                 ),
-                "aqt_layout[loop]": _MOE_AQT_LAYOUT,
-                "fp8_train_step": _MOE_FP8,
-                "grad_accumulation": "4 micro-batches against the whole batch: "
-                + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
-            },
-            "0.2.5": {
-                **dict.fromkeys(
-                    (
-                        "aqt_forward[loop]",
-                        "aqt_train_step[loop]",
-                        "aqt_convert",
-                        "aqt_serve",
-                        "aqt_layout[loop]",
-                    ),
-                    _MOE_AQT_BRIDGED,
+                Divergence("aqt_layout", _MOE_AQT_LAYOUT, _LOOP),
+                Divergence("fp8_train_step", _MOE_FP8),
+                Divergence(
+                    "grad_accumulation",
+                    "4 micro-batches against the whole batch: "
+                    + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
                 ),
-                "grad_accumulation[data2-fsdp2-tensor2]": "4 micro-batches against the whole "
-                "batch: " + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
-            },
+            ),
+            "0.2.5": (
+                Divergence("aqt_forward", _MOE_AQT_BRIDGED, _LOOP),
+                Divergence("aqt_train_step", _MOE_AQT_BRIDGED, _LOOP),
+                Divergence("aqt_convert", _MOE_AQT_BRIDGED),
+                Divergence("aqt_serve", _MOE_AQT_BRIDGED),
+                Divergence("aqt_layout", _MOE_AQT_BRIDGED, _LOOP),
+                Divergence(
+                    "grad_accumulation",
+                    "4 micro-batches against the whole batch: "
+                    + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
+                    _MESH3,
+                ),
+            ),
         },
     )
 
@@ -503,41 +525,62 @@ class MaxTextGemma2(MaxTextFamily):
         {**_SMALL_ATTENTION, "sliding_window_size": 4, "base_num_decoder_layers": 1}
     )
     divergences = _releases(
-        {
-            **_ptq_divergences(
+        (
+            *_ptq_divergences(
                 "self_attention_{local,global}/{query,key,value,out}/kernel and "
                 "mlp_{local,global}/{wi_0,wi_1,wo}/kernel"
             ),
-            "grad_accumulation": "4 micro-batches against the whole batch: "
-            + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel")
-            + "; on fsdp=8, "
-            + _BF16_ATTEND,
-            "decode_consistency": "MaxText's sliding-window mask in autoregressive mode "
-            "(layers/attention_op.py) compares cache slots (8 prefill slots, then the "
-            "generated ones), not positions, so a local-attention layer's window is wrong "
-            "for every right-padded row: decode step 0 differs from the full forward in every "
-            "row by up to 3.6 in the logits, on both backends alike (decode itself agrees)",
-            "sharding_invariance[data2-fsdp2-tensor2]": _PARTITIONED.format(
-                gap=0.15, leaf="self_attention_local/query/kernel"
+            Divergence(
+                "grad_accumulation",
+                "4 micro-batches against the whole batch: "
+                + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel")
+                + "; on fsdp=8, "
+                + _BF16_ATTEND,
             ),
-        },
+            Divergence(
+                "decode_consistency",
+                "MaxText's sliding-window mask in autoregressive mode "
+                "(layers/attention_op.py) compares cache slots (8 prefill slots, then the "
+                "generated ones), not positions, so a local-attention layer's window is wrong "
+                "for every right-padded row: decode step 0 differs from the full forward in "
+                "every row by up to 3.6 in the logits, on both backends alike (decode itself "
+                "agrees)",
+            ),
+            Divergence(
+                "sharding_invariance",
+                _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
+                _MESH3,
+            ),
+        ),
         {
-            "0.2.4": {
-                "layout[data2-fsdp2-tensor2-scan_layers]": "scanned against unrolled layers: "
-                + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
-            },
-            "0.2.5": {
-                "recorded_quant_forward[qat_int8]": "maxtext 0.2.5's gemma2 attention computes "
-                "differently from 0.2.4's (the scanned NNX forward's compiled flops are 2.129x "
-                "0.2.4's, bytes accessed 1.562x: cost golden): the float forward still agrees "
-                "with 0.2.4's recordings within tolerance, but Qwix's qat_int8 forward moves by "
-                "up to 3.8e-2 in the logits (6,129 of 32,768 against recorded NNX, 4,343 against "
-                "recorded Linen), on both live sides alike",
-                "recorded_resume[recorded-linen]": "resumed from 0.2.4's recorded Linen state, "
-                "step 3's token-embedding gradient is 1.06e-5 from the recording in one element "
-                "(atol 1e-5), on both live sides alike: "
-                + _BF16_ROUNDED
-                + ", and 0.2.5 reorders the sum by a rounding step",
-            },
+            "0.2.4": (
+                Divergence(
+                    "layout",
+                    "scanned against unrolled layers: "
+                    + _PARTITIONED.format(gap=0.15, leaf="self_attention_local/query/kernel"),
+                    {**_MESH3, "variant": "scan_layers"},
+                ),
+            ),
+            "0.2.5": (
+                Divergence(
+                    "recorded_quant_forward",
+                    "maxtext 0.2.5's gemma2 attention computes differently from 0.2.4's (the "
+                    "scanned NNX forward's compiled flops are 2.129x 0.2.4's, bytes accessed "
+                    "1.562x: cost golden): the float forward still agrees with 0.2.4's "
+                    "recordings within tolerance, but Qwix's qat_int8 forward moves by up to "
+                    "3.8e-2 in the logits (6,129 of 32,768 against recorded NNX, 4,343 "
+                    "against recorded Linen), on both live sides alike",
+                    {"quant": "qat_int8"},
+                ),
+                Divergence(
+                    "recorded_resume",
+                    "resumed from 0.2.4's recorded Linen state, step 3's token-embedding "
+                    "gradient is 1.06e-5 from the recording in one element (atol 1e-5), on "
+                    "both live sides alike: "
+                    + _BF16_ROUNDED
+                    + ", and 0.2.5 reorders the sum by a rounding step",
+                    {"recorded": "linen"},
+                ),
+            ),
         },
     )
