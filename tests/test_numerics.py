@@ -45,6 +45,17 @@ def test_same_nonfinite_on_both_sides_agrees():
     assert compare_arrays("x", a, a.copy()) is None
 
 
+def test_different_nonfinite_values_on_both_sides_fail_named_as_such():
+    a = np.array([1.0, np.inf, -np.inf, 2.0], np.float32)
+    b = np.array([1.0, -np.inf, np.nan, np.nan], np.float32)
+    found = compare_arrays("logits", a, b)
+    assert found is not None
+    assert found.count == 3
+    assert found.reason == (
+        "1 non-finite on one side only; 2 non-finite on both sides, differently (NaN, +inf, -inf)"
+    )
+
+
 def test_errors_of_opposite_sign_do_not_cancel():
     a = np.zeros(4, np.float32)
     b = np.array([1.0, -1.0, 1.0, -1.0], np.float32)

@@ -177,8 +177,16 @@ def compare_arrays(
     rated = bad & ~zero
     scored = np.where(bad, diff, -1.0)
     worst = np.unravel_index(int(np.argmax(scored)), a.shape) if a.ndim else ()
-    nonfinite = int((bad & ~finite).sum())
-    reason = f"{nonfinite} non-finite on one side only" if nonfinite else ""
+    one_side = int((bad & (np.isfinite(a64) != np.isfinite(b64))).sum())
+    both = int((bad & ~np.isfinite(a64) & ~np.isfinite(b64)).sum())
+    reason = "; ".join(
+        text
+        for count, text in (
+            (one_side, f"{one_side} non-finite on one side only"),
+            (both, f"{both} non-finite on both sides, differently (NaN, +inf, -inf)"),
+        )
+        if count
+    )
     return Mismatch(
         path=path,
         index=tuple(int(i) for i in worst),
