@@ -10,7 +10,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -120,10 +120,12 @@ class Divergence:
 
         An option matches the id part, the value, or the value's ``id`` (a mesh's).
         """
-        return any(
-            option in (part, value) or option == getattr(value, "id", None)
-            for option in self.options(name)
-        )
+        return any(self.matches(option, part, value) for option in self.options(name))
+
+    @staticmethod
+    def matches(option: Any, part: str | None, value: Any) -> bool:
+        """Whether one ``where`` option names a test's id ``part`` or ``value`` (or its ``id``)."""
+        return option in (part, value) or option == getattr(value, "id", None)
 
     def selects(self, check: str, parts: Mapping[str, str], values: Mapping[str, Any]) -> bool:
         """Whether it selects the test of ``check`` with these id ``parts`` and ``values``.
@@ -138,17 +140,37 @@ class Divergence:
         )
 
 
+class FirstEditionKey(NamedTuple):
+    """A first-edition known divergence: ``{"check[id fragment]": reason}``, parsed."""
+
+    key: str
+    check: str
+    fragment: str | None
+    """The test-id substring in brackets; ``None`` for a bare ``"check"`` key."""
+    reason: str
+
+    @classmethod
+    def parse(cls, key: str, reason: str) -> FirstEditionKey:
+        """``key`` split into its check and its bracketed fragment, if any."""
+        check, bracket, fragment = key.partition("[")
+        return cls(key, check, fragment.removesuffix("]") if bracket else None, reason)
+
+    def marks(self, check: str, case_id: str) -> bool:
+        """Whether it marks the test of ``check`` whose id is ``case_id``."""
+        return check == self.check and (self.fragment or "") in case_id
+
+
 def divergences(
     declared: Sequence[Divergence] | Mapping[str, str],
-) -> tuple[tuple[Divergence, ...], Mapping[str, str]]:
-    """A family's ``known_divergences`` as ``(typed, by first-edition key)``.
+) -> tuple[tuple[Divergence, ...], tuple[FirstEditionKey, ...]]:
+    """A family's ``known_divergences`` as ``(typed, first-edition keys)``.
 
-    The first edition's ``{"check[id fragment]": reason}`` mapping is the second part;
-    a sequence of :class:`Divergence` values the first.
+    The first edition's ``{"check[id fragment]": reason}`` mapping gives the second part,
+    parsed; a sequence of :class:`Divergence` values the first.
     """
     if isinstance(declared, Mapping):
-        return (), declared
-    return tuple(declared), MappingProxyType({})
+        return (), tuple(FirstEditionKey.parse(k, r) for k, r in declared.items())
+    return tuple(declared), ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ def divergence_problems(
     own = own or {}
     wider = _wider(run)
     registered = checks()
-    typed, by_key = divergences(family.known_divergences)
+    typed, first_edition = divergences(family.known_divergences)
     found = []
 
     def tests(key: str, name: str) -> Sequence[Planned] | None:
@@ -63,14 +63,12 @@ def divergence_problems(
         planned = tests("", divergence.check)
         if planned:
             found += _unselected(family, divergence, planned)
-    for key, _ in by_key.items():
-        name, bracket, fragment = key.partition("[")
-        fragment = fragment.removesuffix("]")
-        ids = {p.id for p in tests(f"{key!r} ", name) or ()}
-        if bracket and ids and not any(fragment in i for i in ids):
+    for key in first_edition:
+        ids = {p.id for p in tests(f"{key.key!r} ", key.check) or ()}
+        if key.fragment is not None and ids and not any(key.fragment in i for i in ids):
             found.append(
-                f"family {family.name!r} declares a known divergence {key!r}, but no test of "
-                f"{name} has {fragment!r} in its id (e.g. {sorted(ids)[0]!r})"
+                f"family {family.name!r} declares a known divergence {key.key!r}, but no test "
+                f"of {key.check} has {key.fragment!r} in its id (e.g. {sorted(ids)[0]!r})"
             )
     return found
 
@@ -91,8 +89,9 @@ def _unselected(family: Family, divergence: Divergence, planned: Sequence[Planne
             continue
         seen = {p.parts.get(name) or str(p.by_name()[name]) for p in planned}
         for option in divergence.options(name):
-            single = dataclasses.replace(divergence, where={name: option})
-            if not any(single.accepts(name, p.parts.get(name), p.by_name()[name]) for p in planned):
+            if not any(
+                Divergence.matches(option, p.parts.get(name), p.by_name()[name]) for p in planned
+            ):
                 problems.append(
                     f"{head} where {name} is {option!r}, but no test of it on {family.name} is "
                     f"(its {name}: {', '.join(sorted(seen))})"
@@ -108,17 +107,14 @@ def first_edition_spellings(family: Family, run: Settings) -> list[str]:
     of one name it is inside (``quant_params[ptq]``: ``{"quant": ("ptq_fp8",
     "ptq_int8")}``), when those select exactly the tests the fragment marks.
     """
-    _, by_key = divergences(family.known_divergences)
     registered, lines = checks(), []
-    for key in by_key:
-        name, bracket, fragment = key.partition("[")
-        fragment = fragment.removesuffix("]")
-        where = ""
-        if bracket and name in registered:
-            every = plan(registered[name], family, _wider(run))
-            found = _spelling(name, fragment, every)
+    for key in divergences(family.known_divergences)[1]:
+        where, fragment = "", key.fragment
+        if fragment is not None and key.check in registered:
+            every = plan(registered[key.check], family, _wider(run))
+            found = _spelling(key.check, fragment, every)
             where = f", {found!r}" if found else f", {{...}}  # name the axes {fragment!r} cuts"
-        lines.append(f"{key!r} -> Divergence({name!r}, reason{where})")
+        lines.append(f"{key.key!r} -> Divergence({key.check!r}, reason{where})")
     return lines
 
 

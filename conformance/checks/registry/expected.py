@@ -37,12 +37,11 @@ def expected_failure(
     """
     if check.known_failure is not None and (reason := check.known_failure(values)):
         return ExpectedFailure(reason, CheckFailure)
-    typed, by_key = divergences(family.known_divergences)
+    typed, first_edition = divergences(family.known_divergences)
     for divergence in typed:
         if divergence.selects(check.name, parts, values):
             return ExpectedFailure(f"{family.name} known divergence: {divergence.reason}")
-    for key, reason in by_key.items():
-        name, _, fragment = key.partition("[")
-        if name == check.name and fragment.removesuffix("]") in case_id:
-            return ExpectedFailure(f"{family.name} known divergence: {reason}")
+    for key in first_edition:
+        if key.marks(check.name, case_id):
+            return ExpectedFailure(f"{family.name} known divergence: {key.reason}")
     return None
