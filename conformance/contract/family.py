@@ -20,6 +20,7 @@ from flax import nnx
 
 from conformance.contract.values import (
     Batch,
+    CacheAsValue,
     Capabilities,
     Divergence,
     FamilyError,
@@ -72,6 +73,9 @@ class Family(abc.ABC):
       with ``model.init_cache(batch_size)``. The harness feeds each prompt token by
       token, then the greedy tokens; with ``logits_predict="current"`` the token fed at
       a position is the one before it (0 at the first), as the model's own shift does.
+    * In either style, modules that take their cache and return it as a value, as several
+      public model libraries' do, declare :attr:`cache` (a
+      :class:`~conformance.contract.CacheAsValue`) instead of holding it.
     * With ``Capabilities(vocab_tiling=True)``, the modules of a
       :meth:`vocab_tiling_config` also take the keywords ``targets`` and
       ``target_weights`` (``[batch, seq]``) in a training call and then return the
@@ -100,6 +104,15 @@ class Family(abc.ABC):
 
     The first edition's spelling, ``{key: reason}`` with a key ``"check"`` or
     ``"check[id fragment]"`` (a test-id substring), still works.
+    """
+
+    cache: CacheAsValue | None = None
+    """How the modules keep their KV cache when they decode (``Capabilities(decode=True)``).
+
+    ``None`` (the default): held in the model, in Linen's ``cache`` collection and NNX's
+    ``nnx.Cache`` variables (see :class:`Family`). A
+    :class:`~conformance.contract.CacheAsValue`: passed into every serving call and
+    returned from it, created by its own ``init``.
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})

@@ -17,6 +17,7 @@ from conformance.contract.values import (
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
+    CacheAsValue,
     Divergence,
     FamilyError,
 )
@@ -155,6 +156,36 @@ def _decoding(family: Family) -> list[str]:
             f"family {name!r} predicts the current token and decodes with a multi-token "
             "prefill: a model that shifts its inputs decodes token by token "
             "(decode_style='token')"
+        )
+    return found + _cache(family)
+
+
+def _cache(family: Family) -> list[str]:
+    """What is wrong with ``family``'s :attr:`~Family.cache` declaration."""
+    cache, name = family.cache, family.name
+    if cache is None:
+        return []
+    if not isinstance(cache, CacheAsValue):
+        return [
+            f"family {name!r} declares cache={cache!r}; give a CacheAsValue (a cache passed "
+            "as a value) or None (held in the model)"
+        ]
+    found = []
+    if not family.capabilities.decode:
+        found.append(
+            f"family {name!r} declares cache=CacheAsValue(...) but not Capabilities(decode=True)"
+        )
+    hooks = {"init": cache.init, "nnx_init": cache.nnx_init or cache.init}
+    found += [
+        f"family {name!r} declares CacheAsValue({field}={hook!r}), which is not callable as "
+        f"{field}(config, batch_size)"
+        for field, hook in hooks.items()
+        if not callable(hook)
+    ]
+    if not (isinstance(cache.keyword, str) and cache.keyword.isidentifier()):
+        found.append(
+            f"family {name!r} declares CacheAsValue(keyword={cache.keyword!r}), which is not "
+            "a keyword argument's name"
         )
     return found
 

@@ -139,11 +139,14 @@ class Runner(abc.ABC):
         *,
         held: Mapping[str, Any] | None = None,
         collect: str = INTERMEDIATES,
-    ) -> tuple[jax.Array, Any]:
-        """In a traced program: the logits for ``batch`` and a collection after the call.
+        call: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Any]:
+        """In a traced program: the model's output for ``batch`` and a collection after it.
 
-        The collection is ``collect``: what the model sowed, by default. ``held`` sets
-        collections beside the parameters first, by Linen collection name.
+        The output is the logits, unless ``call`` (keywords the model is called with
+        beside the batch) asks for more. The collection is ``collect``: what the model
+        sowed, by default. ``held`` sets collections beside the parameters first, by
+        Linen collection name.
         """
 
     @abc.abstractmethod
@@ -253,11 +256,13 @@ class LinenRunner(Runner):
         *,
         held: Mapping[str, Any] | None = None,
         collect: str = INTERMEDIATES,
-    ) -> tuple[jax.Array, Any]:
+        call: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Any]:
         """``module.apply`` with ``collect`` mutable (see :meth:`Runner.apply`)."""
         variables = {"params": params, **(held or {})}
-        logits, state = self.module.apply(variables, *model_inputs(batch), mutable=[collect])
-        return logits, state.get(collect, {})
+        inputs = model_inputs(batch)
+        out, state = self.module.apply(variables, *inputs, **(call or {}), mutable=[collect])
+        return out, state.get(collect, {})
 
     def _ptq(self, float_params: Flat) -> Flat:
         return self._quantize(float_params)
@@ -354,7 +359,8 @@ class NnxRunner(Runner):
         *,
         held: Mapping[str, Any] | None = None,
         collect: str = INTERMEDIATES,
-    ) -> tuple[jax.Array, Any]:
+        call: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, Any]:
         """The merged model called under ``nnx.capture`` (see :meth:`Runner.apply`).
 
         A Linen collection name stands for the NNX Variable type Flax's bridges give it.
@@ -362,10 +368,10 @@ class NnxRunner(Runner):
         model = nnx.merge(self.graphdef, params, context)
         for state in (held or {}).values():
             nnx.update(model, state)
-        logits, sown = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))
+        out, sown = nnx.capture(model, nnx.Intermediate)(*model_inputs(batch), **(call or {}))
         if collect == INTERMEDIATES:
-            return logits, sown
-        return logits, nnx.state(model, nnx.variable_type_from_name(collect, allow_register=True))
+            return out, sown
+        return out, nnx.state(model, nnx.variable_type_from_name(collect, allow_register=True))
 
     def _init_impl(self, seed: int) -> nnx.State:
         return nnx.split(self.build(seed), nnx.Param, ...)[1]

@@ -1,8 +1,13 @@
 """Serving on both backends: an empty KV cache, a padded prompt's prefill, greedy decode.
 
-Both decoders speak flat ``{canonical path: array}`` dicts for parameters and cache, as
-the runners in :mod:`conformance.runtime.backends` do, and jit each mode once per cache sharding.
-:func:`conformance.runtime.generation.generate` drives either one through the same loop,
+A cache is held in the model (Linen's ``cache`` collection, ``nnx.Cache`` variables:
+:class:`LinenDecoder`, :class:`NnxDecoder`) or passed in and out of each call as a value
+(:class:`~conformance.contract.CacheAsValue`: :class:`ValueDecoder`).
+
+Every decoder speaks flat ``{path: array}`` dicts for parameters and cache, as the
+runners in :mod:`conformance.runtime.backends` do, and jits each mode once per cache
+sharding. :func:`conformance.runtime.generation.generate` drives any of them through the
+same loop,
 so a difference between the backends can only come from the models.
 """
 
@@ -18,7 +23,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Batch, Family
+from conformance.contract import Batch, CacheAsValue, Family
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
@@ -27,10 +32,17 @@ from conformance.core.trees import (
     flatten,
     flatten_state,
     join_path,
+    refill,
     specs,
     unflatten,
 )
-from conformance.runtime.backends import linen_runner, mesh_of, model_inputs, nnx_runner
+from conformance.runtime.backends import (
+    Runner,
+    linen_runner,
+    mesh_of,
+    model_inputs,
+    nnx_runner,
+)
 
 CacheShardings = Mapping[str, NamedSharding]
 
@@ -71,8 +83,34 @@ def _mode(family: Family, mode: str) -> dict[str, str]:
     return {} if by_token(family) else {"mode": mode}
 
 
-class _Decoder(abc.ABC):
-    """What both decoders share: each call is one jitted function of its arguments."""
+class Decoder(abc.ABC):
+    """A family's model served through its KV cache, for ``rows`` prompts.
+
+    What every decoder shares: the cache is a flat dict, with :attr:`specs` and
+    :attr:`logical` by path, and each call is one jitted function of its arguments.
+    """
+
+    family: Family
+    rows: int
+    specs: dict[str, LeafSpec]
+    """Every cache leaf's shape and dtype, by path."""
+    logical: dict[str, Logical]
+    """Every cache leaf's logical axis names, by path."""
+
+    @abc.abstractmethod
+    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
+        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
+
+    @abc.abstractmethod
+    def run(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> tuple[jax.Array, Flat]:
+        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
 
     @abc.abstractmethod
     def _call(
@@ -106,7 +144,7 @@ class _Decoder(abc.ABC):
         return fn.lower(*args)
 
 
-class LinenDecoder(_Decoder):
+class LinenDecoder(Decoder):
     """A Linen family served through its ``cache`` collection, for ``rows`` prompts."""
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
@@ -169,7 +207,7 @@ class LinenDecoder(_Decoder):
         return fn, (unflatten(params), unflatten(cache), batch)
 
 
-class NnxDecoder(_Decoder):
+class NnxDecoder(Decoder):
     """An NNX family served through ``nnx.Cache`` variables, for ``rows`` prompts.
 
     The model's ``init_cache(rows)`` creates the cache; non-parameter, non-cache state
@@ -243,6 +281,106 @@ class NnxDecoder(_Decoder):
         return fn, (self.runner.pack(params), self._state(cache), rest, batch)
 
 
+def _as_value(family: Family) -> CacheAsValue:
+    """``family``'s :class:`~conformance.contract.CacheAsValue`; it must declare one."""
+    if family.cache is None:
+        raise DecodeError(f"{family.name} holds its cache in the model (Family.cache is None)")
+    return family.cache
+
+
+class ValueDecoder(Decoder):
+    """A family served through a cache its modules take and return as a value.
+
+    The family's :class:`~conformance.contract.CacheAsValue` creates the cache, and each
+    call passes it to the model through :meth:`~conformance.runtime.backends.Runner.apply`
+    (the model's output is ``(logits, cache)``), so this is written once for both
+    backends: a subclass gives the backend's runner and ``init``.
+    """
+
+    def __init__(
+        self, family: Family, config: Any, rows: int, runner: Runner, init: Callable[..., Any]
+    ) -> None:
+        self.family, self.rows, self.runner = family, rows, runner
+        self.config = _serving(family, config)
+        self._init, self._keyword = init, _as_value(family).keyword
+        boxed = jax.eval_shape(lambda: init(self.config, rows))
+        self._abstract = nn.meta.unbox(boxed)
+        self.specs = specs(flatten(self._abstract))
+        if not self.specs:
+            raise DecodeError(f"{family.name}: CacheAsValue.init(config, {rows}) made no arrays")
+        self.logical = linen_logical(boxed)
+        self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
+
+    def _init_impl(self) -> Flat:
+        return flatten(nn.meta.unbox(self._init(self.config, self.rows)))
+
+    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
+        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
+        return _jitted(self._fns["init"], self._init_impl, shardings, lambda _: shardings)()
+
+    def _serve(self, params: Any, context: Any, cache: Flat, batch: Batch, *, mode: str) -> Any:
+        call = {**_mode(self.family, mode), self._keyword: refill(self._abstract, cache)}
+        out, _ = self.runner.apply(params, context, batch, call=call)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            what = "an array" if isinstance(out, jax.Array) else type(out).__name__
+            raise DecodeError(
+                f"{self.family.name}: called with {self._keyword}=<cache>, the model returned "
+                f"{what}, not (logits, cache) (CacheAsValue)"
+            )
+        logits, new_cache = out
+        flat = flatten(nn.meta.unbox(new_cache))
+        if set(flat) != set(cache):
+            changed = sorted(set(flat) ^ set(cache))
+            raise DecodeError(
+                f"{self.family.name}: the model returned a cache with other leaves than it "
+                f"was given ({len(changed)} differ, e.g. {changed[0]!r})"
+            )
+        return logits, flat
+
+    def run(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None = None,
+    ) -> tuple[jax.Array, Flat]:
+        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn(*args)
+
+    def _call(
+        self,
+        mode: str,
+        params: Flat,
+        cache: Flat,
+        batch: Batch,
+        shardings: CacheShardings | None,
+        abstract: bool = False,
+    ) -> tuple[Any, tuple[Any, ...]]:
+        serve = functools.partial(self._serve, mode=mode)
+        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
+        context = self.runner.context(mesh_of(params), abstract=abstract)
+        return fn, (self.runner.pack(params), context, cache, batch)
+
+
+class LinenValueDecoder(ValueDecoder):
+    """A Linen family's modules served with their cache passed as a value."""
+
+    def __init__(self, family: Family, config: Any, rows: int) -> None:
+        runner = linen_runner(family, _serving(family, config))
+        super().__init__(family, config, rows, runner, _as_value(family).init)
+
+
+class NnxValueDecoder(ValueDecoder):
+    """An NNX family's modules served with their cache passed as a value."""
+
+    def __init__(self, family: Family, config: Any, rows: int) -> None:
+        runner = nnx_runner(family, _serving(family, config))
+        feature = _as_value(family)
+        super().__init__(family, config, rows, runner, feature.nnx_init or feature.init)
+
+
 def _values(cache: nnx.State) -> Flat:
     """``{path: array}`` of a cache state.
 
@@ -254,12 +392,16 @@ def _values(cache: nnx.State) -> Flat:
 
 
 @scoped
-def linen_decoder(family: Family, config: Any, rows: int) -> LinenDecoder:
-    """The Linen decoder for ``(family, config, rows)``."""
+def linen_decoder(family: Family, config: Any, rows: int) -> Decoder:
+    """The Linen decoder for ``(family, config, rows)``, of the family's kind of cache."""
+    if family.cache is not None:
+        return LinenValueDecoder(family, config, rows)
     return LinenDecoder(family, config, rows)
 
 
 @scoped
-def nnx_decoder(family: Family, config: Any, rows: int) -> NnxDecoder:
-    """The NNX decoder for ``(family, config, rows)``."""
+def nnx_decoder(family: Family, config: Any, rows: int) -> Decoder:
+    """The NNX decoder for ``(family, config, rows)``, of the family's kind of cache."""
+    if family.cache is not None:
+        return NnxValueDecoder(family, config, rows)
     return NnxDecoder(family, config, rows)

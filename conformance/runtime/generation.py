@@ -1,9 +1,8 @@
-"""Greedy generation through either decoder: padded prompts, a prefill, decode steps.
+"""Greedy generation through any decoder: padded prompts, a prefill, decode steps.
 
-:func:`generate` drives a :class:`~conformance.runtime.decoding.LinenDecoder` or a
-:class:`~conformance.runtime.decoding.NnxDecoder` through the same loop (a multi-token
-prefill then one token per row, or token by token for a family that decodes so), so a
-difference between the backends can only come from the models.
+:func:`generate` drives any :class:`~conformance.runtime.decoding.Decoder` through the
+same loop (a multi-token prefill then one token per row, or token by token for a family
+that decodes so), so a difference between the backends can only come from the models.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from conformance.core.trees import Flat
 from conformance.runtime.decoding import (
     CacheShardings,
     DecodeError,
-    LinenDecoder,
-    NnxDecoder,
+    Decoder,
     by_token,
 )
 
@@ -130,7 +128,7 @@ class Generation:
 
 
 def generate(
-    decoder: LinenDecoder | NnxDecoder,
+    decoder: Decoder,
     params: Flat,
     prompt: Batch,
     lengths: np.ndarray,
@@ -174,7 +172,7 @@ def generate(
 
 
 def _by_token(
-    decoder: LinenDecoder | NnxDecoder,
+    decoder: Decoder,
     params: Flat,
     prompt: Batch,
     lengths: np.ndarray,

@@ -32,13 +32,20 @@ from conformance.core.trees import (
 from conformance.runtime.aqt import Aqt, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
 from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, linen_runner, nnx_runner
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.decoding import LinenDecoder, NnxDecoder, linen_decoder, nnx_decoder
+from conformance.runtime.decoding import (
+    Decoder,
+    LinenDecoder,
+    LinenValueDecoder,
+    NnxDecoder,
+    NnxValueDecoder,
+    linen_decoder,
+    nnx_decoder,
+)
 from conformance.runtime.generation import Generation, generate, prompt_batch
 from conformance.runtime.training import LinenTrainer, NnxTrainer, linen_trainer, nnx_trainer
 from conformance.runtime.transplant import TransplantError, transplant
 
 Trainer = LinenTrainer | NnxTrainer
-Decoder = LinenDecoder | NnxDecoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +160,7 @@ class LinenSide(Side):
         LinenRunner: "model",
         LinenTrainer: "trainer",
         LinenDecoder: "decoder",
+        LinenValueDecoder: "decoder",
         LinenAqt: "AQT model",
     }
 
@@ -167,8 +175,8 @@ class LinenSide(Side):
         case = self.case
         return linen_trainer(case.family, case.bound, micro_batches, case.quant, vocab_tiles)
 
-    def decoder(self, rows: int) -> LinenDecoder:
-        """The Linen model served through its ``cache`` collection."""
+    def decoder(self, rows: int) -> Decoder:
+        """The Linen model served through its ``cache`` collection, or its cache as a value."""
         return linen_decoder(self.case.family, self.case.bound, rows)
 
     def aqt(self) -> LinenAqt:
@@ -201,6 +209,7 @@ class NnxSide(Side):
         NnxRunner: "model",
         NnxTrainer: "trainer",
         NnxDecoder: "decoder",
+        NnxValueDecoder: "decoder",
         NnxAqt: "AQT model",
     }
 
@@ -215,8 +224,8 @@ class NnxSide(Side):
         case = self.case
         return nnx_trainer(case.family, case.bound, micro_batches, case.quant, vocab_tiles)
 
-    def decoder(self, rows: int) -> NnxDecoder:
-        """The NNX model served through ``nnx.Cache`` variables."""
+    def decoder(self, rows: int) -> Decoder:
+        """The NNX model served through ``nnx.Cache`` variables, or its cache as a value."""
         return nnx_decoder(self.case.family, self.case.bound, rows)
 
     def aqt(self) -> NnxAqt:

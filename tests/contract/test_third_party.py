@@ -2,14 +2,16 @@
 
 ``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
 repository's built-in families) installed as a throwaway distribution whose entry
-points register four families: ``toy-minimal`` declares no optional capability,
+points register five families: ``toy-minimal`` declares no optional capability,
 ``toy-full`` declares layouts, remat, dropout, decode (MaxText's prefill style) and Qwix
 QAT, ``toy-lm`` is written as Flax's examples are (decoding token by token through its
-``decode_config``, logits that predict the current token), and ``toy-moe`` is a mixture
-of experts sharded on ``expert`` that sows a load-balancing loss. Its ``conformance.checks``
-entry point registers a check of its own, ``logits_bounded``. The suite runs on all four
-at the smoke tier, in a fresh process, exactly as a zoo's CI would: goldens are written
-first, then the whole suite must pass, and every skip must carry a reason.
+``decode_config``, logits that predict the current token), ``toy-moe`` is a mixture
+of experts sharded on ``expert`` that sows a load-balancing loss, and ``toy-fn`` takes
+and returns its KV cache as a value (a ``CacheAsValue``) and is quantized by Qwix PTQ.
+Its ``conformance.checks`` entry point registers a check of its own, ``logits_bounded``.
+The suite runs on all five at the smoke tier, in a fresh process, exactly as a zoo's CI
+would: goldens are written first, then the whole suite must pass, and every skip must
+carry a reason.
 """
 
 import os
@@ -22,12 +24,13 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-FAMILIES = ("toy-minimal", "toy-full", "toy-lm", "toy-moe")
+FAMILIES = ("toy-minimal", "toy-full", "toy-lm", "toy-moe", "toy-fn")
 ENTRY_POINTS = """[conformance.families]
 toy-minimal = toyzoo.families:ToyMinimal
 toy-full = toyzoo.families:ToyFull
 toy-lm = toyzoo.families:ToyLm
 toy-moe = toyzoo.families:ToyMoe
+toy-fn = toyzoo.families:ToyFn
 
 [conformance.checks]
 logits_bounded = toyzoo.checks:check_logits_bounded
@@ -131,6 +134,14 @@ def test_the_flax_style_zoo_decodes_token_by_token(zoo_run):
     _, junit, _ = zoo_run
     lm = checks_run(junit, "toy-lm")
     assert {"decode_cache", "decode_consistency", "decode", "train_step"} <= lm
+
+
+def test_the_value_cache_zoo_decodes_and_quantizes(zoo_run):
+    _, junit, project = zoo_run
+    fn = checks_run(junit, "toy-fn")
+    assert {"decode_cache", "decode_consistency", "decode", "quant_forward"} <= fn
+    golden = next((project / "goldens" / "toy-fn" / "decode_cache").glob("*.json")).read_text()
+    assert '"blocks/0/total"' in golden
 
 
 def test_the_mixture_of_experts_trains_with_its_load_balancing_loss(zoo_run):

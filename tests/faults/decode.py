@@ -6,8 +6,8 @@ import jax.numpy as jnp
 
 from conformance.runtime.generation import decode_positions
 from conformance_models import nnx_layers
-from tests.contract.toyzoo import flaxlm
-from tests.contract.toyzoo.families import ToyLm
+from tests.contract.toyzoo import flaxlm, functional
+from tests.contract.toyzoo.families import ToyFn, ToyFnToken, ToyLm
 from tests.faults.fault import Fault, Gpt3, Llama
 
 _serve_call = nnx_layers.KVCache.__call__
@@ -64,6 +64,15 @@ def _token_index_stuck(self, x, segment_ids):
     return out
 
 
+_fn_block_call = functional.NnxFnBlock.__call__
+
+
+def _value_cache_returned_unchanged(self, x, segment_ids, cache):
+    """NNX block of the value-cache toy that serves from its cache but returns it as given."""
+    out, _ = _fn_block_call(self, x, segment_ids, cache)
+    return out, cache
+
+
 class ToyLmPredictsNext(ToyLm):
     """The Flax-style toy declares next-token logits, but its model shifts its inputs."""
 
@@ -79,6 +88,23 @@ FAULTS = (
             "logits:",
         ),
         model_patch=(flaxlm.NnxAttention, "__call__", _token_index_stuck),
+    ),
+    Fault(
+        ToyFn(),
+        "decode",
+        (
+            "decode step 0 of 8",
+            "the caches first differ after prefill",
+            "blocks/0/count:",
+            "verdict: a Linen/NNX divergence: it shows on one device too",
+        ),
+        model_patch=(functional.NnxFnBlock, "__call__", _value_cache_returned_unchanged),
+    ),
+    Fault(
+        ToyFnToken(),
+        "decode_consistency",
+        ("NNX prefill vs the full-sequence forward", "logits:"),
+        model_patch=(functional.NnxFnBlock, "__call__", _value_cache_returned_unchanged),
     ),
     Fault(
         ToyLmPredictsNext(),

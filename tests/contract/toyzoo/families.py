@@ -1,6 +1,8 @@
 """The zoo's conformance families: one with no optional capability, one with them, one
 written as Flax's own examples are (decoding by config, token by token; logits that
-predict the current token), and a mixture of experts with a load-balancing loss."""
+predict the current token), a mixture of experts with a load-balancing loss, and one
+whose modules take and return their KV cache as a value (decoding with a prefill, or
+token by token)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,17 @@ import numpy as np
 from flax import linen as nn
 from flax import nnx
 
-from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
+from conformance.families import (
+    Batch,
+    CacheAsValue,
+    Capabilities,
+    Family,
+    LogicalRules,
+    PathRules,
+)
 
 from .flaxlm import LinenLm, LmConfig, NnxLm
+from .functional import LinenFn, NnxFn, linen_cache, nnx_cache
 from .models import RULES, LinenToy, NnxToy, ToyConfig
 from .moe import AUX_LOSS, LinenMoe, MoeConfig, NnxMoe
 
@@ -174,3 +184,49 @@ class ToyMoe(Family):
 
     def logical_axis_rules(self) -> LogicalRules:
         return (*RULES, ("expert", "data"))
+
+
+class ToyFn(Family):
+    """Its modules take their KV cache and return it as a value, keyed per backend.
+
+    Decoding with a prefill (the ``mode`` keyword), and quantized by Qwix PTQ.
+    """
+
+    name = "toy-fn"
+    capabilities = Capabilities(decode=True, quantization=frozenset({"ptq_int8"}))
+    cache = CacheAsValue(init=linen_cache, nnx_init=nnx_cache)
+    unsupported: Mapping[str, str] = MappingProxyType(
+        {"scan_layers": "its blocks are a Python list, never stacked"}
+    )
+
+    def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> ToyConfig:
+        del size, scan_layers
+        return dataclasses.replace(SIZES["small"], dtype=dtype)
+
+    def linen_module(self, config: ToyConfig) -> nn.Module:
+        return LinenFn(config)
+
+    def nnx_module(self, config: ToyConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return NnxFn(config, rngs)
+
+    def batch(self, config: ToyConfig, batch_size: int, seed: int = 0) -> Batch:
+        return ToyMinimal.batch(self, config, batch_size, seed)
+
+    def path_rules(self, config: ToyConfig) -> PathRules:
+        return ((r"^block_(\d+)/", r"blocks/\1/"),)
+
+    def logical_axis_rules(self) -> LogicalRules:
+        return RULES
+
+
+class ToyFnToken(ToyFn):
+    """:class:`ToyFn` decoding token by token: its cache is a value in that style too.
+
+    A call given the cache continues from it, so the serving config is the config.
+    """
+
+    name = "toy-fn-token"
+    capabilities = Capabilities(decode=True, decode_style="token")
+
+    def decode_config(self, config: ToyConfig) -> ToyConfig:
+        return config
