@@ -1,7 +1,7 @@
 """The public face for model zoos: the Family contract and the family registry.
 
 A zoo writes its families against these names (``from conformance.families import
-Family, Capabilities, Batch, QuantScope``) and registers them under the
+Family, Capabilities, Decode, Batch, QuantScope``) and registers them under the
 ``conformance.families`` entry point group; :mod:`conformance.contract` holds them.
 """
 
@@ -14,9 +14,11 @@ from conformance.contract import (
     Batch,
     CacheAsValue,
     Capabilities,
+    Decode,
     Divergence,
     Family,
     FamilyError,
+    Feature,
     FirstEditionWarning,
     LogicalRules,
     PathRules,
@@ -33,9 +35,11 @@ __all__ = [
     "Batch",
     "CacheAsValue",
     "Capabilities",
+    "Decode",
     "Divergence",
     "Family",
     "FamilyError",
+    "Feature",
     "FirstEditionWarning",
     "LogicalRules",
     "DECODE_STYLES",

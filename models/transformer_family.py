@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -11,7 +11,15 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
-from conformance.families import Batch, Capabilities, Family, LogicalRules, PathRules
+from conformance.families import (
+    Batch,
+    Capabilities,
+    Decode,
+    Family,
+    Feature,
+    LogicalRules,
+    PathRules,
+)
 from conformance_models import GOLDENS
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.config import TransformerConfig
@@ -31,7 +39,6 @@ class TransformerFamily(Family):
         scan_layers=(False, True),
         remat=True,
         dropout=True,
-        decode=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         aqt=True,
         vocab_tiling=True,
@@ -44,6 +51,10 @@ class TransformerFamily(Family):
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]
     nnx_decoder: ClassVar[type[nnx.Module]]
+
+    def features(self) -> Sequence[Feature]:
+        """Decoding with a prefill (the ``mode`` keyword), through caches the models hold."""
+        return (Decode(),)
 
     def config(
         self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32

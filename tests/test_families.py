@@ -294,26 +294,35 @@ class UnknownMode(Gpt3Family):
     )
 
 
-class TokenStyleWithoutConfig(Gpt3Family):
+class FirstEditionDecode(Gpt3Family):
+    """gpt3 declaring its decoding in the first edition: ``Capabilities(decode=True)``."""
+
+    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode=True)
+
+    def features(self):
+        return ()
+
+
+class TokenStyleWithoutConfig(FirstEditionDecode):
     name = "token-without-config"
-    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode_style="token")
+    capabilities = dataclasses.replace(FirstEditionDecode.capabilities, decode_style="token")
 
 
-class DecodeConfigWithPrefill(Gpt3Family):
+class DecodeConfigWithPrefill(FirstEditionDecode):
     name = "config-with-prefill"
 
     def decode_config(self, config):
         return config
 
 
-class CurrentWithPrefill(Gpt3Family):
+class CurrentWithPrefill(FirstEditionDecode):
     name = "current-with-prefill"
     logits_predict = "current"
 
 
-class UnknownStyle(Gpt3Family):
+class UnknownStyle(FirstEditionDecode):
     name = "unknown-style"
-    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode_style="beam")
+    capabilities = dataclasses.replace(FirstEditionDecode.capabilities, decode_style="beam")
 
 
 @pytest.mark.parametrize(

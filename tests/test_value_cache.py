@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from conformance.contract import CacheAsValue, Capabilities, problems
+from conformance.contract import CacheAsValue, Capabilities, Decode, declared, problems, supports
 from conformance.core.failure import CheckFailure
 from conformance.core.scope import Scope
 from conformance.core.sharding import parse_mesh
-from tests.contract.toyzoo.families import ToyFn, ToyFnToken
-from tests.contract.toyzoo.functional import LinenFn
+from tests.contract.toyzoo.families import ToyFn, ToyFnToken, ToyLm, ToyMinimal
+from tests.contract.toyzoo.functional import LinenFn, linen_cache
 from tests.suite_run import run_check
 
 MESH = parse_mesh("data=2,fsdp=2,tensor=2")
@@ -26,34 +26,73 @@ def test_a_value_cache_decodes_token_by_token(check, tmp_path):
         run_check(check, ToyFnToken(), tmp_path, MESH)
 
 
-class NoDecode(ToyFn):
-    capabilities = Capabilities()
+def _declaring(*features: Any, **attributes: Any) -> ToyFn:
+    """:class:`ToyFn` declaring ``features`` instead of its own, with ``attributes``."""
+    kind = type("Declaring", (ToyFn,), {"features": lambda self: features, **attributes})
+    return kind()
 
 
-class NotAFeature(ToyFn):
-    cache: Any = ("init", None)
+CACHE = CacheAsValue(init=linen_cache)
 
 
-class Broken(ToyFn):
-    cache = CacheAsValue(init=None, keyword="kv cache")  # type: ignore[arg-type]
-
-
-def test_a_value_cache_declaration_is_checked_at_load():
-    assert problems(NoDecode()) == [
-        "family 'toy-fn' declares cache=CacheAsValue(...) but not Capabilities(decode=True)"
+def test_a_decode_feature_is_checked_at_load():
+    assert problems(_declaring(Decode(cache=CACHE))) == []
+    cases = {
+        (Decode(cache=CACHE), Decode()): ["family 'toy-fn' lists 2 Decode features; give one"],
+        ("decode",): [
+            "family 'toy-fn' lists 'decode' in features(), which is no Feature (Decode, ...)"
+        ],
+        (Decode(style="tokens"),): [
+            "family 'toy-fn' declares Decode(style='tokens'); known styles: prefill, token"
+        ],
+        (Decode(style="token"),): [
+            "family 'toy-fn' declares Decode(style='token') without config=, the config "
+            "whose modules decode one token per call (config(config) -> config)"
+        ],
+        (Decode(config=lambda c: c),): [
+            "family 'toy-fn' declares Decode(config=...) with style='prefill': declare "
+            "style='token' to decode token by token, or drop config"
+        ],
+        (Decode(cache=("init", None)),): [  # type: ignore[arg-type]
+            "family 'toy-fn' declares Decode(cache=('init', None)); give a CacheAsValue (a "
+            "cache passed as a value) or None (held in the model)"
+        ],
+        (Decode(cache=CacheAsValue(init=None, keyword="kv cache")),): [  # type: ignore[arg-type]
+            "family 'toy-fn' declares CacheAsValue(init=None), which is not callable as "
+            "init(config, batch_size)",
+            "family 'toy-fn' declares CacheAsValue(nnx_init=None), which is not callable as "
+            "nnx_init(config, batch_size)",
+            "family 'toy-fn' declares CacheAsValue(keyword='kv cache'), which is not a "
+            "keyword argument's name",
+        ],
+    }
+    for features, expected in cases.items():
+        assert problems(_declaring(*features)) == expected, features
+    twice = _declaring(Decode(), capabilities=Capabilities(decode=True))
+    assert problems(twice) == [
+        "family 'toy-fn' declares decoding twice, as Decode(...) in features() and as "
+        "Capabilities(decode=True): keep the Decode feature"
     ]
-    assert problems(NotAFeature()) == [
-        "family 'toy-fn' declares cache=('init', None); give a CacheAsValue (a cache passed "
-        "as a value) or None (held in the model)"
-    ]
-    assert problems(Broken()) == [
-        "family 'toy-fn' declares CacheAsValue(init=None), which is not callable as "
-        "init(config, batch_size)",
-        "family 'toy-fn' declares CacheAsValue(nnx_init=None), which is not callable as "
-        "nnx_init(config, batch_size)",
-        "family 'toy-fn' declares CacheAsValue(keyword='kv cache'), which is not a keyword "
-        "argument's name",
-    ]
+
+
+def test_both_editions_read_the_same():
+    first = ToyLm()
+    assert supports(first, "decode")
+    assert not first.features()
+    decode = declared(first, Decode)
+    assert decode is not None
+    assert (decode.style, decode.cache) == ("token", None)
+    config = first.config("small", scan_layers=False)
+    assert decode.config is not None
+    assert decode.config(config) == first.decode_config(config)
+    second = ToyFnToken()
+    assert supports(second, "decode")
+    assert not second.capabilities.decode
+    decode = declared(second, Decode)
+    assert decode is not None
+    assert (decode.style, decode.cache) == ("token", second.features()[0].cache)
+    assert declared(ToyMinimal(), Decode) is None
+    assert not supports(ToyMinimal(), "decode")
 
 
 class LogitsOnly(LinenFn):

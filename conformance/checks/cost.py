@@ -18,6 +18,7 @@ import numpy as np
 
 from conformance.checks.declare import Axis, declare
 from conformance.checks.kernel import train_pair
+from conformance.contract import supports
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
@@ -51,7 +52,7 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
             found["forward"] = tuple(
                 cost_of(t.side.runner.lowered_forward(t.initial, batch).compile()) for t in pair
             )
-            if case.family.capabilities.decode:
+            if supports(case.family, "decode"):
                 found["decode_step"] = tuple(_decode_step(t) for t in pair)
         found[f"train_step{suffix}"] = tuple(
             cost_of(t.step.lower(t.state, batch).compile()) for t in pair

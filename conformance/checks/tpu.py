@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from conformance.checks.declare import Axis, declare
+from conformance.contract import supports
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
@@ -90,7 +91,7 @@ def _programs(case: Case) -> dict[str, list[tuple[Side, Program]]]:
     found = {"forward": [(side, lowered_forward(side, batch)) for side in live_pair(case)]}
     for name, variant in variants.items():
         found[name] = [(side, lowered_train_step(side, batch)) for side in live_pair(variant)]
-    if case.family.capabilities.decode:
+    if supports(case.family, "decode"):
         found["decode_step"] = [(side, lowered_decode_step(side, rows)) for side in live_pair(case)]
     return found
 

@@ -3,6 +3,7 @@
 Nothing here imports another harness module; everything else builds on it.
 """
 
+from conformance.contract.declared import declared, supports
 from conformance.contract.discovery import (
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
@@ -12,6 +13,7 @@ from conformance.contract.discovery import (
     select,
 )
 from conformance.contract.family import Family
+from conformance.contract.features import CacheAsValue, Decode, Feature
 from conformance.contract.validate import problems, validate
 from conformance.contract.values import (
     DECODE_STYLES,
@@ -19,7 +21,6 @@ from conformance.contract.values import (
     QUANTIZATION_MODES,
     Backend,
     Batch,
-    CacheAsValue,
     Capabilities,
     Divergence,
     FamilyError,
@@ -38,9 +39,11 @@ __all__ = [
     "Batch",
     "CacheAsValue",
     "Capabilities",
+    "Decode",
     "Divergence",
     "Family",
     "FamilyError",
+    "Feature",
     "FirstEditionKey",
     "FirstEditionWarning",
     "LogicalRules",
@@ -50,10 +53,12 @@ __all__ = [
     "PathRules",
     "QuantScope",
     "builtin",
+    "declared",
     "divergences",
     "get",
     "problems",
     "registry",
     "select",
+    "supports",
     "validate",
 ]

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from conformance.contract.features import Feature
 from conformance.contract.values import (
     Batch,
-    CacheAsValue,
     Capabilities,
     Divergence,
     FamilyError,
@@ -73,9 +73,10 @@ class Family(abc.ABC):
       with ``model.init_cache(batch_size)``. The harness feeds each prompt token by
       token, then the greedy tokens; with ``logits_predict="current"`` the token fed at
       a position is the one before it (0 at the first), as the model's own shift does.
-    * In either style, modules that take their cache and return it as a value, as several
-      public model libraries' do, declare :attr:`cache` (a
-      :class:`~conformance.contract.CacheAsValue`) instead of holding it.
+    * Decoding is declared in the second edition as a
+      :class:`~conformance.contract.Decode` feature (:meth:`features`), which says the
+      same and more: modules that take their cache and return it as a value, as several
+      public model libraries' do, declare ``Decode(cache=CacheAsValue(...))``.
     * With ``Capabilities(vocab_tiling=True)``, the modules of a
       :meth:`vocab_tiling_config` also take the keywords ``targets`` and
       ``target_weights`` (``[batch, seq]``) in a training call and then return the
@@ -104,15 +105,6 @@ class Family(abc.ABC):
 
     The first edition's spelling, ``{key: reason}`` with a key ``"check"`` or
     ``"check[id fragment]"`` (a test-id substring), still works.
-    """
-
-    cache: CacheAsValue | None = None
-    """How the modules keep their KV cache when they decode (``Capabilities(decode=True)``).
-
-    ``None`` (the default): held in the model, in Linen's ``cache`` collection and NNX's
-    ``nnx.Cache`` variables (see :class:`Family`). A
-    :class:`~conformance.contract.CacheAsValue`: passed into every serving call and
-    returned from it, created by its own ``init``.
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})
@@ -178,6 +170,17 @@ class Family(abc.ABC):
     """Axis of a scanned :attr:`persistent_state` leaf that indexes layers. Flax's scans
     stack collections other than the parameters on axis 0 unless told otherwise, as
     MaxText's do (its ``MoEBiasVar`` on 0, its parameters on ``param_scan_axis`` 1)."""
+
+    def features(self) -> Sequence[Feature]:
+        """The optional abilities the family has, each a typed value with its own hooks.
+
+        The second edition's spelling (:mod:`conformance.contract.features`): a
+        :class:`~conformance.contract.Decode` says how the family serves through its KV
+        cache, in place of ``Capabilities(decode=True, decode_style=...)`` and
+        :meth:`decode_config`. Declaring an ability in both spellings is a load error.
+        None by default.
+        """
+        return ()
 
     @property
     def device_size(self) -> str:

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from conformance.contract.family import Family
+from conformance.contract.features import CacheAsValue, Decode, Feature
 from conformance.contract.values import (
     BACKENDS,
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
-    CacheAsValue,
     Divergence,
     FamilyError,
 )
@@ -123,16 +123,68 @@ def _divergences(family: Family) -> list[str]:
 
 def _decoding(family: Family) -> list[str]:
     """What is wrong with how ``family`` says it decodes and what its logits predict."""
+    name = family.name
+    if family.logits_predict not in PREDICTIONS:
+        return [
+            f"family {name!r} declares logits_predict={family.logits_predict!r}; known: "
+            f"{', '.join(PREDICTIONS)}"
+        ]
+    features = family.features()
+    found = [
+        f"family {name!r} lists {feature!r} in features(), which is no Feature (Decode, ...)"
+        for feature in features
+        if not isinstance(feature, Feature)
+    ]
+    decodes = [feature for feature in features if isinstance(feature, Decode)]
+    if len(decodes) > 1:
+        found.append(f"family {name!r} lists {len(decodes)} Decode features; give one")
+    if not decodes:
+        return found + _first_edition_decoding(family)
+    if family.capabilities.decode:
+        found.append(
+            f"family {name!r} declares decoding twice, as Decode(...) in features() and as "
+            "Capabilities(decode=True): keep the Decode feature"
+        )
+    return found + _decode(family, decodes[0])
+
+
+def _decode(family: Family, decode: Decode) -> list[str]:
+    """What is wrong with ``family``'s :class:`Decode` feature."""
+    name, style = family.name, decode.style
+    if style not in DECODE_STYLES:
+        return [
+            f"family {name!r} declares Decode(style={style!r}); known styles: "
+            f"{', '.join(DECODE_STYLES)}"
+        ]
+    found = []
+    if style == "token" and not callable(decode.config):
+        found.append(
+            f"family {name!r} declares Decode(style='token') without config=, the config "
+            "whose modules decode one token per call (config(config) -> config)"
+        )
+    if style == "prefill" and decode.config is not None:
+        found.append(
+            f"family {name!r} declares Decode(config=...) with style='prefill': declare "
+            "style='token' to decode token by token, or drop config"
+        )
+    if style == "prefill" and family.logits_predict == "current":
+        found.append(_CURRENT.format(name=name))
+    return found + _cache(family, decode.cache)
+
+
+_CURRENT = (
+    "family {name!r} predicts the current token and decodes with a multi-token prefill: a "
+    "model that shifts its inputs decodes token by token (decode_style='token')"
+)
+
+
+def _first_edition_decoding(family: Family) -> list[str]:
+    """What is wrong with ``family``'s ``Capabilities(decode=..., decode_style=...)``."""
     caps, name = family.capabilities, family.name
     if caps.decode_style not in DECODE_STYLES:
         return [
             f"family {name!r} declares decode_style={caps.decode_style!r}; known styles: "
             f"{', '.join(DECODE_STYLES)}"
-        ]
-    if family.logits_predict not in PREDICTIONS:
-        return [
-            f"family {name!r} declares logits_predict={family.logits_predict!r}; known: "
-            f"{', '.join(PREDICTIONS)}"
         ]
     token, defines = caps.decode_style == "token", _overrides(family, "decode_config")
     found = []
@@ -152,31 +204,22 @@ def _decoding(family: Family) -> list[str]:
             "token by token, or drop decode_config"
         )
     if caps.decode and not token and family.logits_predict == "current":
-        found.append(
-            f"family {name!r} predicts the current token and decodes with a multi-token "
-            "prefill: a model that shifts its inputs decodes token by token "
-            "(decode_style='token')"
-        )
-    return found + _cache(family)
+        found.append(_CURRENT.format(name=name))
+    return found
 
 
-def _cache(family: Family) -> list[str]:
-    """What is wrong with ``family``'s :attr:`~Family.cache` declaration."""
-    cache, name = family.cache, family.name
+def _cache(family: Family, cache: object) -> list[str]:
+    """What is wrong with the cache a :class:`Decode` feature declares."""
+    name = family.name
     if cache is None:
         return []
     if not isinstance(cache, CacheAsValue):
         return [
-            f"family {name!r} declares cache={cache!r}; give a CacheAsValue (a cache passed "
-            "as a value) or None (held in the model)"
+            f"family {name!r} declares Decode(cache={cache!r}); give a CacheAsValue (a cache "
+            "passed as a value) or None (held in the model)"
         ]
-    found = []
-    if not family.capabilities.decode:
-        found.append(
-            f"family {name!r} declares cache=CacheAsValue(...) but not Capabilities(decode=True)"
-        )
     hooks = {"init": cache.init, "nnx_init": cache.nnx_init or cache.init}
-    found += [
+    found = [
         f"family {name!r} declares CacheAsValue({field}={hook!r}), which is not callable as "
         f"{field}(config, batch_size)"
         for field, hook in hooks.items()

@@ -24,7 +24,7 @@ from conformance.checks.registry import (
     Param,
     expected_failure,
 )
-from conformance.contract import Backend, Family
+from conformance.contract import Backend, Family, supports
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import compiles
@@ -256,7 +256,7 @@ def skip_reason(planned: Planned) -> str | None:
     wanted = [p.capability for p in params if p.capability] + [check.capability] * bool(
         check.capability
     )
-    missing = [name for name in wanted if not getattr(family.capabilities, name)]
+    missing = [name for name in wanted if not supports(family, name)]
     if missing:
         declared = ", ".join(f"{name}=True" for name in missing)
         return _because(

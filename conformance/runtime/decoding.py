@@ -2,7 +2,7 @@
 
 A cache is held in the model (Linen's ``cache`` collection, ``nnx.Cache`` variables:
 :class:`LinenDecoder`, :class:`NnxDecoder`) or passed in and out of each call as a value
-(:class:`~conformance.contract.CacheAsValue`: :class:`ValueDecoder`).
+(``Decode(cache=CacheAsValue(...))``: :class:`ValueDecoder`).
 
 Every decoder speaks flat ``{path: array}`` dicts for parameters and cache, as the
 runners in :mod:`conformance.runtime.backends` do, and jits each mode once per cache
@@ -23,7 +23,7 @@ from flax import linen as nn
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Batch, CacheAsValue, Family
+from conformance.contract import Batch, CacheAsValue, Decode, Family, declared
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
@@ -61,18 +61,27 @@ def _jitted(
     return cache[key]
 
 
+def decoding(family: Family) -> Decode:
+    """How ``family`` decodes (its :class:`~conformance.contract.Decode`, in either edition)."""
+    found = declared(family, Decode)
+    if found is None:
+        raise DecodeError(f"{family.name} does not decode (it declares no Decode feature)")
+    return found
+
+
 def by_token(family: Family) -> bool:
-    """Whether ``family`` decodes token by token (``decode_style="token"``)."""
-    return family.capabilities.decode_style == "token"
+    """Whether ``family`` decodes token by token (``Decode(style="token")``)."""
+    return decoding(family).style == "token"
 
 
 def _serving(family: Family, config: Any) -> Any:
     """The config ``family`` serves ``config`` with.
 
-    Its :meth:`~Family.decode_config` when it decodes token by token, else ``config``
-    itself (whose modules take a ``mode`` keyword).
+    Its :attr:`Decode.config <conformance.contract.Decode.config>` of ``config`` when it
+    decodes token by token, else ``config`` itself (whose modules take a ``mode`` keyword).
     """
-    return family.decode_config(config) if by_token(family) else config
+    serving = decoding(family).config
+    return serving(config) if by_token(family) and serving is not None else config
 
 
 def _mode(family: Family, mode: str) -> dict[str, str]:
@@ -283,9 +292,10 @@ class NnxDecoder(Decoder):
 
 def _as_value(family: Family) -> CacheAsValue:
     """``family``'s :class:`~conformance.contract.CacheAsValue`; it must declare one."""
-    if family.cache is None:
-        raise DecodeError(f"{family.name} holds its cache in the model (Family.cache is None)")
-    return family.cache
+    cache = decoding(family).cache
+    if cache is None:
+        raise DecodeError(f"{family.name} holds its cache in the model (Decode(cache=None))")
+    return cache
 
 
 class ValueDecoder(Decoder):
@@ -394,7 +404,7 @@ def _values(cache: nnx.State) -> Flat:
 @scoped
 def linen_decoder(family: Family, config: Any, rows: int) -> Decoder:
     """The Linen decoder for ``(family, config, rows)``, of the family's kind of cache."""
-    if family.cache is not None:
+    if decoding(family).cache is not None:
         return LinenValueDecoder(family, config, rows)
     return LinenDecoder(family, config, rows)
 
@@ -402,6 +412,6 @@ def linen_decoder(family: Family, config: Any, rows: int) -> Decoder:
 @scoped
 def nnx_decoder(family: Family, config: Any, rows: int) -> Decoder:
     """The NNX decoder for ``(family, config, rows)``, of the family's kind of cache."""
-    if family.cache is not None:
+    if decoding(family).cache is not None:
         return NnxValueDecoder(family, config, rows)
     return NnxDecoder(family, config, rows)

@@ -27,7 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.contract import Family
+from conformance.contract import Family, supports
 from conformance.core.distributed import host_array
 from conformance.core.environment import library_versions
 from conformance.core.references import Reference
@@ -112,7 +112,7 @@ def record(family: Family, backend: str) -> Reference:
         arrays |= _host({"loss": loss}, f"train/{step}") | _host(grads, f"train/{step}/grads")
         if step == 1:
             arrays |= _host(state, "train/1/state")
-    if family.capabilities.decode:
+    if supports(family, "decode"):
         arrays |= _decode(side, params)
     quantized, left_out = _quantized(side, params, batch)
     arrays |= quantized
@@ -127,7 +127,7 @@ def record(family: Family, backend: str) -> Reference:
         "mesh": ONE_DEVICE.id,
         "rows": BATCH_SIZE,
         "train_steps": TRAIN_STEPS,
-        "decode_steps": DECODE_STEPS if family.capabilities.decode else 0,
+        "decode_steps": DECODE_STEPS if supports(family, "decode") else 0,
         "not_recorded": left_out,
         "state_kinds": side.canonical(training.trainer.kinds),
         "tolerance": "compared under the harness's float32 / bfloat16 tolerance policy",

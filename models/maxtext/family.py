@@ -14,7 +14,7 @@ numeric check also runs against the references 0.2.4 recorded
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -28,9 +28,11 @@ from conformance.families import (
     QUANTIZATION_MODES,
     Batch,
     Capabilities,
+    Decode,
     Divergence,
     Family,
     FamilyError,
+    Feature,
     LogicalRules,
     PathRules,
     QuantScope,
@@ -61,7 +63,6 @@ class MaxTextFamily(Family):
         scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
         remat=True,
         dropout=True,
-        decode=True,
         aqt=True,
         quantization=frozenset(QUANTIZATION_MODES),
         vocab_tiling=True,
@@ -72,6 +73,10 @@ class MaxTextFamily(Family):
 
     divergences: ClassVar[Mapping[str, tuple[Divergence, ...]]] = MappingProxyType({})
     """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
+
+    def features(self) -> Sequence[Feature]:
+        """Decoding with a prefill (MaxText's ``model_mode``), through caches the models hold."""
+        return (Decode(),)
 
     def unavailable(self) -> str | None:
         """Why MaxText families cannot run here: maxtext missing, or an unsupported release."""

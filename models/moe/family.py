@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import Capabilities, LogicalRules
+from conformance.families import Capabilities, Feature, LogicalRules
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -29,6 +29,11 @@ class MoeFamily(TransformerFamily):
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "kept small: one layer layout, a Python list of blocks"}
     )
+
+    def features(self) -> Sequence[Feature]:
+        """None: unlike the other transformers, moe does not declare decoding."""
+        return ()
+
     base_configs: ClassVar[dict[str, MoeConfig]] = {
         "tiny": MoeConfig(
             vocab_size=256,

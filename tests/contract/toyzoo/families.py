@@ -7,7 +7,7 @@ token by token)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -20,7 +20,9 @@ from conformance.families import (
     Batch,
     CacheAsValue,
     Capabilities,
+    Decode,
     Family,
+    Feature,
     LogicalRules,
     PathRules,
 )
@@ -193,11 +195,13 @@ class ToyFn(Family):
     """
 
     name = "toy-fn"
-    capabilities = Capabilities(decode=True, quantization=frozenset({"ptq_int8"}))
-    cache = CacheAsValue(init=linen_cache, nnx_init=nnx_cache)
+    capabilities = Capabilities(quantization=frozenset({"ptq_int8"}))
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "its blocks are a Python list, never stacked"}
     )
+
+    def features(self) -> Sequence[Feature]:
+        return (Decode(cache=CacheAsValue(init=linen_cache, nnx_init=nnx_cache)),)
 
     def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> ToyConfig:
         del size, scan_layers
@@ -226,7 +230,8 @@ class ToyFnToken(ToyFn):
     """
 
     name = "toy-fn-token"
-    capabilities = Capabilities(decode=True, decode_style="token")
+    capabilities = Capabilities()
 
-    def decode_config(self, config: ToyConfig) -> ToyConfig:
-        return config
+    def features(self) -> Sequence[Feature]:
+        cache = CacheAsValue(init=linen_cache, nnx_init=nnx_cache)
+        return (Decode(style="token", config=lambda config: config, cache=cache),)

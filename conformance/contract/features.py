@@ -1,0 +1,82 @@
+"""Optional abilities as typed values: the Family contract's second edition.
+
+A family declares each optional ability it has as one value in
+:meth:`~conformance.contract.Family.features`, carrying its own hooks and settings
+(``Decode(style="token", config=self.decode_config)``), instead of a
+:class:`~conformance.contract.Capabilities` flag, a hook method and a calling convention
+in three places. A value missing what it needs fails when the family is loaded, naming
+it (:mod:`conformance.contract.validate`). The first edition's spelling of the same
+ability still works: :func:`conformance.contract.declared` reads either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """An optional ability of a family, with its hooks and settings."""
+
+    capability: ClassVar[str]
+    """The ability's name: the checks that need it, and the family's ``unsupported`` key
+    explaining why it lacks it, know it by this name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheAsValue:
+    """A KV cache the modules take and return as a value, instead of holding it.
+
+    Given as :attr:`Decode.cache`. Every serving call passes the cache as the keyword
+    :attr:`keyword` (``module.apply({"params": p}, tokens, positions, segment_ids,
+    cache=c)`` in Linen, ``model(..., cache=c)`` in NNX) and the modules return
+    ``(logits, cache)``, the cache updated, with the same leaves; called without it
+    (every other check) they return the logits alone. Both decode styles work with it:
+    ``"prefill"`` also passes ``mode``, ``"token"`` calls the modules of
+    :attr:`Decode.config`.
+    """
+
+    init: Callable[[Any, int], Any]
+    """``init(config, batch_size)``: the empty cache of ``batch_size`` rows for the
+    serving ``config``, any pytree of arrays. It wraps the zoo's own signature, e.g.
+    ``lambda config, rows: init_cache(config.length, rows, config.dtype)``. A leaf
+    wrapped in ``flax.linen.LogicallyPartitioned`` (as ``nn.with_logical_partitioning``
+    makes) is placed by its logical axis names; a plain leaf is replicated. It runs
+    traced (jitted, with the cache's shardings), so it may depend only on its
+    arguments."""
+    nnx_init: Callable[[Any, int], Any] | None = None
+    """The NNX side's ``init``, for a cache laid out differently from Linen's (its paths
+    map by :meth:`Family.path_rules`, as parameters do). ``None`` (the default): the
+    same :attr:`init` on both sides."""
+    keyword: str = "cache"
+    """The keyword argument the modules take the cache by."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode(Feature):
+    """Serving through a KV cache: the prefill, decode and cache checks.
+
+    The first edition's ``Capabilities(decode=True, decode_style=...)`` with
+    :meth:`Family.decode_config`.
+    """
+
+    capability: ClassVar[str] = "decode"
+    style: str = "prefill"
+    """How the family decodes, one of :data:`~conformance.contract.DECODE_STYLES`.
+
+    ``"prefill"`` (MaxText's): the modules take a call-time keyword ``mode``
+    (``"forward"``, ``"prefill"`` of right-padded prompts, ``"decode"`` of one token per
+    row at its own position). ``"token"`` (Flax's examples'): the modules of
+    :attr:`config` take one token per row per call, at one position for all rows, and
+    keep the cache index themselves."""
+    config: Callable[[Any], Any] | None = None
+    """``config(config)``: the config whose modules decode one token per call (Flax's
+    ``decode=True``), holding exactly ``config``'s parameters. Required with
+    ``style="token"``, and only then."""
+    cache: CacheAsValue | None = None
+    """``None`` (the default): the modules hold their cache, Linen's in the ``cache``
+    collection (created empty by ``init``), NNX's in ``nnx.Cache`` variables (created
+    empty by ``model.init_cache(batch_size)``). A :class:`CacheAsValue`: they take it
+    and return it."""
