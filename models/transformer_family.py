@@ -12,13 +12,18 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.families import (
+    Aqt,
     Batch,
     Capabilities,
     Decode,
+    Dropout,
     Family,
     Feature,
+    Fp8,
     LogicalRules,
     PathRules,
+    Remat,
+    VocabTiling,
 )
 from conformance_models import GOLDENS
 from conformance_models.common import LOGICAL_AXIS_RULES
@@ -37,12 +42,7 @@ class TransformerFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(False, True),
-        remat=True,
-        dropout=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
-        aqt=True,
-        vocab_tiling=True,
-        fp8=True,
         recorded=("linen",),
     )
     train_rngs = ("dropout",)
@@ -53,8 +53,18 @@ class TransformerFamily(Family):
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Decoding with a prefill (the ``mode`` keyword), through caches the models hold."""
-        return (Decode(),)
+        """Prefill decoding, remat and dropout variants, AQT int8, FP8 and vocab tiling.
+
+        Decoding takes the ``mode`` keyword, through caches the models hold.
+        """
+        return (
+            Decode(),
+            Remat(self.remat_config),
+            Dropout(self.dropout_config),
+            Aqt(self.aqt_config),
+            Fp8(self.fp8_config),
+            VocabTiling(self.vocab_tiling_config),
+        )
 
     def config(
         self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32
@@ -69,11 +79,13 @@ class TransformerFamily(Family):
         del config
         return {"deterministic": False}
 
-    def variant(
-        self, config: TransformerConfig, *, remat: bool = False, dropout: float = 0.0
-    ) -> TransformerConfig:
-        """``config`` with ``nn.remat``/``nnx.remat`` around each block, or with dropout."""
-        return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
+    def remat_config(self, config: TransformerConfig) -> TransformerConfig:
+        """``config`` with ``nn.remat``/``nnx.remat`` around each block (no dropout)."""
+        return dataclasses.replace(config, remat=True, dropout_rate=0.0)
+
+    def dropout_config(self, config: TransformerConfig, rate: float) -> TransformerConfig:
+        """``config`` with dropout at ``rate``."""
+        return dataclasses.replace(config, dropout_rate=rate)
 
     def sequence_length(self, config: TransformerConfig) -> int:
         """``config.max_seq_len``."""

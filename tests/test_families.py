@@ -14,11 +14,22 @@ from jax.experimental.compilation_cache import compilation_cache
 from conformance import families
 from conformance.checks import registry
 from conformance.checks.declare import Axis, Check
-from conformance.contract import Backend, discovery, problems, validate
+from conformance.contract import Backend, discovery, problems, required, supports, validate
 from conformance.core.failure import CheckFailure
 from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
-from conformance.families import Divergence, Family, FirstEditionWarning
+from conformance.families import (
+    Aqt,
+    Decode,
+    Divergence,
+    Dropout,
+    Family,
+    FamilyError,
+    FirstEditionWarning,
+    Fp8,
+    Remat,
+    VocabTiling,
+)
 from conformance.pytest_plugin.divergences import divergence_problems, first_edition_spellings
 from conformance.pytest_plugin.plan import Planned, plan
 from conformance.pytest_plugin.session import Settings
@@ -270,7 +281,27 @@ def test_a_known_library_failure_must_fail_as_a_check_failure():
     assert found.raises is CheckFailure
 
 
-class NoAqtHook(Gpt3Family):
+class FirstEdition(Gpt3Family):
+    """gpt3 declaring its abilities in the first edition: ``Capabilities`` flags and hooks."""
+
+    capabilities = dataclasses.replace(
+        Gpt3Family.capabilities,
+        decode=True,
+        remat=True,
+        dropout=True,
+        aqt=True,
+        fp8=True,
+        vocab_tiling=True,
+    )
+
+    def variant(self, config, *, remat=False, dropout=0.0):
+        return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
+
+    def features(self):
+        return ()
+
+
+class NoAqtHook(FirstEdition):
     name = "no-aqt-hook"
     aqt_config = Family.aqt_config
 
@@ -294,35 +325,26 @@ class UnknownMode(Gpt3Family):
     )
 
 
-class FirstEditionDecode(Gpt3Family):
-    """gpt3 declaring its decoding in the first edition: ``Capabilities(decode=True)``."""
-
-    capabilities = dataclasses.replace(Gpt3Family.capabilities, decode=True)
-
-    def features(self):
-        return ()
-
-
-class TokenStyleWithoutConfig(FirstEditionDecode):
+class TokenStyleWithoutConfig(FirstEdition):
     name = "token-without-config"
-    capabilities = dataclasses.replace(FirstEditionDecode.capabilities, decode_style="token")
+    capabilities = dataclasses.replace(FirstEdition.capabilities, decode_style="token")
 
 
-class DecodeConfigWithPrefill(FirstEditionDecode):
+class DecodeConfigWithPrefill(FirstEdition):
     name = "config-with-prefill"
 
     def decode_config(self, config):
         return config
 
 
-class CurrentWithPrefill(FirstEditionDecode):
+class CurrentWithPrefill(FirstEdition):
     name = "current-with-prefill"
     logits_predict = "current"
 
 
-class UnknownStyle(FirstEditionDecode):
+class UnknownStyle(FirstEdition):
     name = "unknown-style"
-    capabilities = dataclasses.replace(FirstEditionDecode.capabilities, decode_style="beam")
+    capabilities = dataclasses.replace(FirstEdition.capabilities, decode_style="beam")
 
 
 @pytest.mark.parametrize(
@@ -433,3 +455,47 @@ def test_maxtext_configs_leave_the_persistent_compilation_cache_as_it_was(monkey
         maxtext_config._initialize.cache_clear()
         jax.config.update("jax_compilation_cache_dir", before)
     assert after == before
+
+
+def test_both_editions_give_the_same_feature_configs():
+    first, second = FirstEdition(), Gpt3Family()
+    config = second.config("tiny", scan_layers=False)
+    assert not first.features()
+    assert not second.capabilities.remat
+    for kind, args in [
+        (Remat, ()),
+        (Dropout, (0.1,)),
+        (Aqt, ("serve",)),
+        (Fp8, ()),
+        (VocabTiling, (4,)),
+        (Decode, ()),
+    ]:
+        old, new = required(first, kind), required(second, kind)
+        assert supports(first, kind.capability)
+        assert supports(second, kind.capability)
+        if kind is Decode:
+            assert old == new
+        else:
+            assert old.config(config, *args) == new.config(config, *args), kind
+
+
+class Twice(Gpt3Family):
+    name = "twice"
+    capabilities = dataclasses.replace(Gpt3Family.capabilities, remat=True)
+
+    def features(self):
+        return (*super().features(), Aqt(None), Remat(lambda c: c), "fp8")
+
+
+def test_features_are_checked_at_load():
+    assert problems(Twice()) == [
+        "family 'twice' declares remat twice, as Remat(...) in features() and as "
+        "Capabilities(remat=True): keep the Remat feature",
+        "family 'twice' lists Aqt twice in features(); give one",
+        "family 'twice' declares Aqt(config=None), which is not callable as config(config, mode)",
+        "family 'twice' lists Remat twice in features(); give one",
+        "family 'twice' lists 'fp8' in features(), which is no Feature (Decode, Remat, Aqt, ...)",
+    ]
+    bare = type("Bare", (Gpt3Family,), {"features": lambda self: ()})()
+    with pytest.raises(FamilyError, match=r"gpt3 does not declare Remat \(remat\)"):
+        required(bare, Remat)

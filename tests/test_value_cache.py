@@ -38,9 +38,12 @@ CACHE = CacheAsValue(init=linen_cache)
 def test_a_decode_feature_is_checked_at_load():
     assert problems(_declaring(Decode(cache=CACHE))) == []
     cases = {
-        (Decode(cache=CACHE), Decode()): ["family 'toy-fn' lists 2 Decode features; give one"],
+        (Decode(cache=CACHE), Decode()): [
+            "family 'toy-fn' lists Decode twice in features(); give one"
+        ],
         ("decode",): [
-            "family 'toy-fn' lists 'decode' in features(), which is no Feature (Decode, ...)"
+            "family 'toy-fn' lists 'decode' in features(), which is no Feature "
+            "(Decode, Remat, Aqt, ...)"
         ],
         (Decode(style="tokens"),): [
             "family 'toy-fn' declares Decode(style='tokens'); known styles: prefill, token"
@@ -70,7 +73,7 @@ def test_a_decode_feature_is_checked_at_load():
         assert problems(_declaring(*features)) == expected, features
     twice = _declaring(Decode(), capabilities=Capabilities(decode=True))
     assert problems(twice) == [
-        "family 'toy-fn' declares decoding twice, as Decode(...) in features() and as "
+        "family 'toy-fn' declares decode twice, as Decode(...) in features() and as "
         "Capabilities(decode=True): keep the Decode feature"
     ]
 

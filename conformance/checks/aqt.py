@@ -31,13 +31,14 @@ from conformance.checks.kernel import (
     shared_params,
     train_step_parity,
 )
+from conformance.contract import Aqt, required
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import PathMapError, map_paths, structure_diff
-from conformance.runtime.aqt import COLLECTION, AqtError, known_failure
+from conformance.runtime.aqt import COLLECTION, AqtError, AqtModel, known_failure
 from conformance.runtime.case import Case
-from conformance.runtime.sides import Aqt, Side, live_pair
+from conformance.runtime.sides import Side, live_pair
 
 AQT_MAX_ERROR = 0.06
 """Bound on the relative L2 error of AQT int8 logits against float logits."""
@@ -49,10 +50,10 @@ the family names it) of the layer that owns the float kernel."""
 
 def _train(case: Case) -> Case:
     """``case`` with the family's AQT TRAIN-mode config (fake-quantized float kernels)."""
-    return case.with_config(case.family.aqt_config(case.config, "train"))
+    return case.with_config(required(case.family, Aqt).config(case.config, "train"))
 
 
-def aqt_pair(case: Case) -> tuple[Aqt, Aqt, dict[str, str]]:
+def aqt_pair(case: Case) -> tuple[AqtModel, AqtModel, dict[str, str]]:
     """Both sides in AQT convert/serve modes, and ``{Linen path: NNX path}`` of frozen leaves."""
     linen, nnx_ = live_pair(case)
     try:
@@ -184,7 +185,8 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
     _, nnx_specs = agreed_specs(
         (linen_side, linen.logical, linen.specs), (nnx_side, nnx_.logical, nnx_.specs), mapping
     )
-    serving = live_pair(case.with_config(case.family.aqt_config(case.config, "serve")))
+    serve_config = required(case.family, Aqt).config(case.config, "serve")
+    serving = live_pair(case.with_config(serve_config))
     serve = nnx_.serve_runner
     _, serve_specs = agreed_specs(
         (serving[0], linen.serve_runner.logical, linen.serve_runner.specs),

@@ -23,7 +23,7 @@ from conformance.checks.kernel import (
     steps_agree,
     train_pair,
 )
-from conformance.contract import Backend
+from conformance.contract import Backend, Dropout, declared
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees, report
@@ -200,8 +200,8 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
     from) must be byte-identical: a restore that resets the optimizer state or the step
     counter (the schedule and the RNG streams restart) is caught.
     """
-    if case.family.capabilities.dropout:
-        case = case.with_config(case.family.variant(case.config, dropout=DROPOUT_RATE))
+    if (dropout := declared(case.family, Dropout)) is not None:
+        case = case.with_config(dropout.config(case.config, DROPOUT_RATE))
     side, batch = SIDES[backend](case), case.batch()
     straight = Training.start(side)
     expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]

@@ -18,7 +18,7 @@ import numpy as np
 
 from conformance.checks.declare import Axis, declare
 from conformance.checks.kernel import train_pair
-from conformance.contract import supports
+from conformance.contract import Remat, declared, supports
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
@@ -43,8 +43,8 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
     """``{program: (Linen's cost, NNX's cost)}`` on ``case``'s mesh."""
     found = {}
     variants = {"": case}
-    if case.family.capabilities.remat:
-        variants[" (remat)"] = case.with_config(case.family.variant(case.config, remat=True))
+    if (remat := declared(case.family, Remat)) is not None:
+        variants[" (remat)"] = case.with_config(remat.config(case.config))
     for suffix, variant in variants.items():
         pair = train_pair(variant)
         batch = variant.batch()

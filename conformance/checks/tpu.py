@@ -21,7 +21,7 @@ from typing import Any
 import jax
 
 from conformance.checks.declare import Axis, declare
-from conformance.contract import supports
+from conformance.contract import Remat, declared, supports
 from conformance.core.cost import Cost, cost_of, over_budget
 from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
@@ -78,14 +78,12 @@ def _programs(case: Case) -> dict[str, list[tuple[Side, Program]]]:
     them; at a production size only the step production runs: rematerialised when the
     family has remat.
     """
-    remat = case.family.capabilities.remat
+    remat = declared(case.family, Remat)
     variants: dict[str, Case] = {}
-    if case.size == case.family.device_size or not remat:
+    if case.size == case.family.device_size or remat is None:
         variants["train_step"] = case
-    if remat:
-        variants["train_step (remat)"] = case.with_config(
-            case.family.variant(case.config, remat=True)
-        )
+    if remat is not None:
+        variants["train_step (remat)"] = case.with_config(remat.config(case.config))
     rows = batch_rows(case)
     batch = abstract_batch(case, rows)
     found = {"forward": [(side, lowered_forward(side, batch)) for side in live_pair(case)]}

@@ -24,7 +24,7 @@ from conformance.checks.kernel import (
     train_pair,
     train_step_parity,
 )
-from conformance.contract import Family
+from conformance.contract import Dropout, Family, Fp8, Remat, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, tolerance_for
@@ -93,7 +93,8 @@ def check_fp8_train_step(case: Case) -> None:
     Each step's comparison covers the parameters' gradients and the whole next state,
     which holds the FP8 scales and amax histories each side overwrote with its gradient.
     """
-    train_step_parity(case.with_config(case.family.fp8_config(case.config)), "fp8_train_step")
+    fp8 = required(case.family, Fp8).config
+    train_step_parity(case.with_config(fp8(case.config)), "fp8_train_step")
 
 
 def _plain_and_variant(
@@ -235,7 +236,7 @@ def check_layout(case: Case, variant: str) -> None:
     family = case.family
     plain_case = Case.of(family, case.size, scan_layers=False, mesh=case.mesh, devices=case.devices)
     if variant == "remat":
-        varied_case = plain_case.with_config(family.variant(plain_case.config, remat=True))
+        varied_case = plain_case.with_config(required(family, Remat).config(plain_case.config))
     else:
         varied_case = Case.of(
             family, case.size, scan_layers=True, mesh=case.mesh, devices=case.devices
@@ -362,7 +363,7 @@ def check_dropout(case: Case) -> None:
     deterministic forward's by more than float32 rounding (the tolerance policy: two
     programs that compute the same loss need not round it alike).
     """
-    noisy = case.with_config(case.family.variant(case.config, dropout=DROPOUT_RATE))
+    noisy = case.with_config(required(case.family, Dropout).config(case.config, DROPOUT_RATE))
     batch = case.batch()
     for side in live_pair(noisy):
         params = side.init(0)

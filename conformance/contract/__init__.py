@@ -3,7 +3,7 @@
 Nothing here imports another harness module; everything else builds on it.
 """
 
-from conformance.contract.declared import declared, supports
+from conformance.contract.declared import declared, required, supports
 from conformance.contract.discovery import (
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
@@ -13,7 +13,16 @@ from conformance.contract.discovery import (
     select,
 )
 from conformance.contract.family import Family
-from conformance.contract.features import CacheAsValue, Decode, Feature
+from conformance.contract.features import (
+    Aqt,
+    CacheAsValue,
+    Decode,
+    Dropout,
+    Feature,
+    Fp8,
+    Remat,
+    VocabTiling,
+)
 from conformance.contract.validate import problems, validate
 from conformance.contract.values import (
     DECODE_STYLES,
@@ -35,29 +44,35 @@ from conformance.contract.values import (
 __all__ = [
     "DISTRIBUTION",
     "ENTRY_POINT_GROUP",
+    "Aqt",
     "Backend",
     "Batch",
     "CacheAsValue",
     "Capabilities",
     "Decode",
     "Divergence",
+    "Dropout",
     "Family",
     "FamilyError",
     "Feature",
     "FirstEditionKey",
     "FirstEditionWarning",
+    "Fp8",
     "LogicalRules",
     "DECODE_STYLES",
     "PREDICTIONS",
     "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",
+    "Remat",
+    "VocabTiling",
     "builtin",
     "declared",
     "divergences",
     "get",
     "problems",
     "registry",
+    "required",
     "select",
     "supports",
     "validate",

@@ -177,8 +177,9 @@ class Family(abc.ABC):
         The second edition's spelling (:mod:`conformance.contract.features`): a
         :class:`~conformance.contract.Decode` says how the family serves through its KV
         cache, in place of ``Capabilities(decode=True, decode_style=...)`` and
-        :meth:`decode_config`. Declaring an ability in both spellings is a load error.
-        None by default.
+        :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
+        carry the config hook their ``Capabilities`` flag needed. Declaring an ability in
+        both spellings is a load error. None by default.
         """
         return ()
 
@@ -277,7 +278,8 @@ class Family(abc.ABC):
         Neither may change what one step computes from the same parameters and keys;
         ``layout[remat]`` and ``dropout`` check that. Required with
         ``Capabilities(remat=True)`` or ``Capabilities(dropout=True)``; by default the
-        family has no variant.
+        family has no variant. First edition: the second declares ``Remat(config)`` and
+        ``Dropout(config)`` in :meth:`features`.
         """
         wanted = [w for w, on in (("remat", remat), (f"dropout {dropout}", dropout)) if on]
         if wanted:
@@ -319,7 +321,8 @@ class Family(abc.ABC):
         forward also writes each frozen kernel, ``qvalue`` int8 plus ``scale``, to the
         ``aqt`` collection; NNX through ``nnx.bridge.ToNNX``, an ``aqt`` Variable) or
         ``"serve"`` (kernels are read from there; the float kernels are not parameters).
-        Required with ``Capabilities(aqt=True)``.
+        Required with ``Capabilities(aqt=True)``. First edition: the second declares
+        ``Aqt(config)`` in :meth:`features`.
         """
         del config
         raise FamilyError(f"{self.name} does not support AQT (mode {mode!r})")
@@ -331,7 +334,8 @@ class Family(abc.ABC):
         their scales and amax histories in the ``_overwrite_with_gradient`` collection
         (Linen) or Variable type (NNX): a train step replaces them with their gradient,
         which is their next value, and optimises only the parameters. Required with
-        ``Capabilities(fp8=True)``.
+        ``Capabilities(fp8=True)``. First edition: the second declares ``Fp8(config)`` in
+        :meth:`features`.
         """
         del config
         raise FamilyError(f"{self.name} does not support FP8 training")
@@ -359,7 +363,8 @@ class Family(abc.ABC):
         """``config`` whose modules decode one token per call (Flax's ``decode=True``).
 
         They hold exactly ``config``'s parameters. Required with
-        ``Capabilities(decode_style="token")``, and only then.
+        ``Capabilities(decode_style="token")``, and only then. First edition: the second
+        declares ``Decode(style="token", config=...)`` in :meth:`features`.
         """
         del config
         raise FamilyError(f"{self.name} has no token-by-token decode config")
@@ -372,7 +377,8 @@ class Family(abc.ABC):
         ``[batch, seq, vocab]`` logits never exist at once. Its modules return that loss
         when called with ``targets`` and ``target_weights`` (see :class:`Family`), and
         hold exactly ``config``'s parameters. Required with
-        ``Capabilities(vocab_tiling=True)``.
+        ``Capabilities(vocab_tiling=True)``. First edition: the second declares
+        ``VocabTiling(config)`` in :meth:`features`.
         """
         del config
         raise FamilyError(f"{self.name} does not support vocab tiling ({tiles} tiles)")

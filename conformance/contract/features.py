@@ -23,6 +23,8 @@ class Feature:
     capability: ClassVar[str]
     """The ability's name: the checks that need it, and the family's ``unsupported`` key
     explaining why it lacks it, know it by this name."""
+    hooks: ClassVar[dict[str, str]] = {}
+    """Its fields that must be callable, each with how it is called."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,3 +82,77 @@ class Decode(Feature):
     collection (created empty by ``init``), NNX's in ``nnx.Cache`` variables (created
     empty by ``model.init_cache(batch_size)``). A :class:`CacheAsValue`: they take it
     and return it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat(Feature):
+    """A rematerialised variant: ``layout[remat]`` (and ``cost``, ``tpu_compile``).
+
+    The first edition's ``Capabilities(remat=True)`` with :meth:`Family.variant`.
+    """
+
+    capability: ClassVar[str] = "remat"
+    hooks: ClassVar[dict[str, str]] = {"config": "config(config)"}
+    config: Callable[[Any], Any]
+    """``config(config)``: ``config`` rematerialised. It must not change what one step
+    computes from the same parameters and keys."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout(Feature):
+    """A variant with dropout: ``dropout`` (and a checkpoint resumed with it).
+
+    The first edition's ``Capabilities(dropout=True)`` with :meth:`Family.variant`.
+    """
+
+    capability: ClassVar[str] = "dropout"
+    hooks: ClassVar[dict[str, str]] = {"config": "config(config, rate)"}
+    config: Callable[[Any, float], Any]
+    """``config(config, rate)``: ``config`` with dropout at ``rate``, drawing its
+    randomness from :attr:`Family.train_rngs` (and NNX's matching ``Rngs`` streams)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Aqt(Feature):
+    """AQT (aqtp) int8 projections: train, convert and serve (the ``aqt_*`` checks).
+
+    The first edition's ``Capabilities(aqt=True)`` with :meth:`Family.aqt_config`.
+    """
+
+    capability: ClassVar[str] = "aqt"
+    hooks: ClassVar[dict[str, str]] = {"config": "config(config, mode)"}
+    config: Callable[[Any, str], Any]
+    """``config(config, mode)``: ``config`` quantized by AQT in ``mode``: ``"train"``
+    (fake-quantized over float kernels), ``"convert"`` (the forward also writes each
+    frozen kernel to the ``aqt`` collection; NNX through ``nnx.bridge.ToNNX``) or
+    ``"serve"`` (kernels read from there; the float kernels are not parameters)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8(Feature):
+    """FP8 training with delayed scaling (``fp8_train_step``).
+
+    The first edition's ``Capabilities(fp8=True)`` with :meth:`Family.fp8_config`.
+    """
+
+    capability: ClassVar[str] = "fp8"
+    hooks: ClassVar[dict[str, str]] = {"config": "config(config)"}
+    config: Callable[[Any], Any]
+    """``config(config)``: ``config`` whose projections compute in FP8 with Flax's ops,
+    their scales and amax histories kept as ``_overwrite_with_gradient`` values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabTiling(Feature):
+    """A training loss computed from the logits a few rows at a time (``vocab_tiling``).
+
+    The first edition's ``Capabilities(vocab_tiling=True)`` with
+    :meth:`Family.vocab_tiling_config`.
+    """
+
+    capability: ClassVar[str] = "vocab_tiling"
+    hooks: ClassVar[dict[str, str]] = {"config": "config(config, tiles)"}
+    config: Callable[[Any, int], Any]
+    """``config(config, tiles)``: ``config`` whose modules, given ``targets`` and
+    ``target_weights`` in a training call, return the summed weighted cross entropy
+    computed ``tiles`` slices at a time, holding exactly ``config``'s parameters."""

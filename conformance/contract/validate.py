@@ -47,10 +47,11 @@ def problems(family: Family) -> list[str]:
     layout, and (when the family can run here) a config that is not hashable.
     """
     caps, name = family.capabilities, family.name
+    typed = {f.capability for f in family.features() if isinstance(f, Feature)}
     found = [
         f"family {name!r} declares Capabilities({cap}=True) but does not define {hook}"
         for cap, hook in HOOKS.items()
-        if getattr(caps, cap) and not _overrides(family, hook)
+        if getattr(caps, cap) and not _overrides(family, hook) and cap not in typed
     ]
     if set(caps.scan_layers) == {False, True} and not _overrides(family, "layer_stack_rules"):
         found.append(
@@ -67,6 +68,7 @@ def problems(family: Family) -> list[str]:
             f"family {name!r} declares recorded references of {unknown}; backends: "
             f"{', '.join(BACKENDS)}"
         )
+    found += _features(family)
     found += _decoding(family)
     found += _divergences(family)
     if not family.has_linen and not caps.recorded:
@@ -129,23 +131,44 @@ def _decoding(family: Family) -> list[str]:
             f"family {name!r} declares logits_predict={family.logits_predict!r}; known: "
             f"{', '.join(PREDICTIONS)}"
         ]
-    features = family.features()
-    found = [
-        f"family {name!r} lists {feature!r} in features(), which is no Feature (Decode, ...)"
-        for feature in features
-        if not isinstance(feature, Feature)
-    ]
-    decodes = [feature for feature in features if isinstance(feature, Decode)]
-    if len(decodes) > 1:
-        found.append(f"family {name!r} lists {len(decodes)} Decode features; give one")
+    decodes = [feature for feature in family.features() if isinstance(feature, Decode)]
     if not decodes:
-        return found + _first_edition_decoding(family)
-    if family.capabilities.decode:
-        found.append(
-            f"family {name!r} declares decoding twice, as Decode(...) in features() and as "
-            "Capabilities(decode=True): keep the Decode feature"
-        )
-    return found + _decode(family, decodes[0])
+        return _first_edition_decoding(family)
+    return _decode(family, decodes[0])
+
+
+def _features(family: Family) -> list[str]:
+    """What is wrong with ``family``'s :meth:`~Family.features`, whatever their kind.
+
+    An entry that is no feature, a feature listed twice or also declared by its first
+    edition's ``Capabilities`` flag, and a hook that is not callable.
+    """
+    name, found = family.name, []
+    kinds: dict[type, int] = {}
+    for feature in family.features():
+        if not isinstance(feature, Feature):
+            found.append(
+                f"family {name!r} lists {feature!r} in features(), which is no Feature "
+                "(Decode, Remat, Aqt, ...)"
+            )
+            continue
+        kind = type(feature)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kinds[kind] == 2:
+            found.append(f"family {name!r} lists {kind.__name__} twice in features(); give one")
+        if kinds[kind] == 1 and getattr(family.capabilities, feature.capability, False):
+            found.append(
+                f"family {name!r} declares {feature.capability} twice, as {kind.__name__}(...) "
+                f"in features() and as Capabilities({feature.capability}=True): keep the "
+                f"{kind.__name__} feature"
+            )
+        found += [
+            f"family {name!r} declares {kind.__name__}({field}={getattr(feature, field)!r}), "
+            f"which is not callable as {call}"
+            for field, call in feature.hooks.items()
+            if not callable(getattr(feature, field))
+        ]
+    return found
 
 
 def _decode(family: Family, decode: Decode) -> list[str]:

@@ -21,7 +21,7 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from conformance.contract import Batch, Family
+from conformance.contract import Aqt, Batch, Family, required
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical
 from conformance.core.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
@@ -40,7 +40,7 @@ def frozen_variable_type() -> type[nnx.Variable[Any]]:
     return nnx.variable_type_from_name(COLLECTION, allow_register=True)
 
 
-class Aqt(abc.ABC):
+class AqtModel(abc.ABC):
     """A family's model in AQT convert and serve modes, written once over the runners.
 
     A backend's subclass says how it holds the frozen kernels: :meth:`pack` and
@@ -53,8 +53,9 @@ class Aqt(abc.ABC):
 
     def __init__(self, family: Family, config: Any) -> None:
         self.family = family
-        self.convert_runner = type(self).runner(family, family.aqt_config(config, "convert"))
-        self.serve_runner = type(self).runner(family, family.aqt_config(config, "serve"))
+        quantized = required(family, Aqt).config
+        self.convert_runner = type(self).runner(family, quantized(config, "convert"))
+        self.serve_runner = type(self).runner(family, quantized(config, "serve"))
         self.logical: dict[str, Logical] = {}
         """Every frozen leaf's logical axis names, by flat path."""
         self.specs: dict[str, LeafSpec] = {}
@@ -89,7 +90,7 @@ class Aqt(abc.ABC):
         return self._serve(runner.pack(params), context, self.pack(frozen), batch)
 
 
-class LinenAqt(Aqt):
+class LinenAqt(AqtModel):
     """A family's Linen module in AQT modes: the frozen kernels are its ``aqt`` collection."""
 
     runner = staticmethod(linen_runner)
@@ -123,7 +124,7 @@ def _frozen_flat(variables: Mapping[str, nnx.Variable[Any]]) -> Flat:
     }
 
 
-class NnxAqt(Aqt):
+class NnxAqt(AqtModel):
     """A family's NNX module in AQT modes.
 
     The frozen kernels are ``aqt`` Variables holding AQT ``QTensor`` values, whose leaves

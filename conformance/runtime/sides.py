@@ -29,7 +29,7 @@ from conformance.core.trees import (
     map_paths,
     map_state_paths,
 )
-from conformance.runtime.aqt import Aqt, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
+from conformance.runtime.aqt import AqtModel, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
 from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, linen_runner, nnx_runner
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.decoding import (
@@ -76,7 +76,7 @@ class Side(abc.ABC):
         """The model served through its KV cache, for ``rows`` prompts."""
 
     @abc.abstractmethod
-    def aqt(self) -> Aqt:
+    def aqt(self) -> AqtModel:
         """The model in AQT convert and serve modes."""
 
     @abc.abstractmethod

@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Backend, Batch, Family
+from conformance.contract import Backend, Batch, Family, VocabTiling, required
 from conformance.core.scope import scoped
 from conformance.core.seams import seam
 from conformance.core.sharding import Logical, nnx_logical
@@ -69,7 +69,7 @@ def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) ->
         return config
     if micro_batches != 1:
         raise ValueError("a vocab-tiled step takes the whole batch (one micro-batch)")
-    return family.vocab_tiling_config(config, vocab_tiles)
+    return required(family, VocabTiling).config(config, vocab_tiles)
 
 
 def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:

@@ -26,16 +26,21 @@ from flax import nnx
 
 from conformance.families import (
     QUANTIZATION_MODES,
+    Aqt,
     Batch,
     Capabilities,
     Decode,
     Divergence,
+    Dropout,
     Family,
     FamilyError,
     Feature,
+    Fp8,
     LogicalRules,
     PathRules,
     QuantScope,
+    Remat,
+    VocabTiling,
 )
 from conformance_models import GOLDENS
 from conformance_models.data import make_batch
@@ -61,12 +66,7 @@ class MaxTextFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
-        remat=True,
-        dropout=True,
-        aqt=True,
         quantization=frozenset(QUANTIZATION_MODES),
-        vocab_tiling=True,
-        fp8=True,
         recorded=("linen", "nnx"),  # maxtext 0.2.4's two implementations
     )
     train_rngs = ("dropout",)
@@ -75,8 +75,18 @@ class MaxTextFamily(Family):
     """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
 
     def features(self) -> Sequence[Feature]:
-        """Decoding with a prefill (MaxText's ``model_mode``), through caches the models hold."""
-        return (Decode(),)
+        """Prefill decoding, remat and dropout variants, AQT int8, FP8 and vocab tiling.
+
+        Decoding is MaxText's ``model_mode``, through caches the models hold.
+        """
+        return (
+            Decode(),
+            Remat(self.remat_config),
+            Dropout(self.dropout_config),
+            Aqt(self.aqt_config),
+            Fp8(self.fp8_config),
+            VocabTiling(self.vocab_tiling_config),
+        )
 
     def unavailable(self) -> str | None:
         """Why MaxText families cannot run here: maxtext missing, or an unsupported release."""
@@ -194,11 +204,13 @@ class MaxTextFamily(Family):
         )
         return dataclasses.replace(config, mesh=module_mesh)
 
-    def variant(
-        self, config: MaxTextConfig, *, remat: bool = False, dropout: float = 0.0
-    ) -> MaxTextConfig:
-        """``remat``: MaxText's ``remat_policy`` ``full`` instead of ``minimal``."""
-        return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
+    def remat_config(self, config: MaxTextConfig) -> MaxTextConfig:
+        """MaxText's ``remat_policy`` ``full`` instead of ``minimal`` (no dropout)."""
+        return dataclasses.replace(config, remat=True, dropout_rate=0.0)
+
+    def dropout_config(self, config: MaxTextConfig, rate: float) -> MaxTextConfig:
+        """``config`` with MaxText's ``dropout_rate`` at ``rate``."""
+        return dataclasses.replace(config, dropout_rate=rate)
 
     def aqt_config(self, config: MaxTextConfig, mode: str) -> MaxTextConfig:
         """MaxText's AQT int8 (``quantization: int8``) in ``mode``, rounding to nearest."""
