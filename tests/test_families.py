@@ -14,7 +14,15 @@ from jax.experimental.compilation_cache import compilation_cache
 from conformance import families
 from conformance.checks import registry
 from conformance.checks.declare import Axis, Check
-from conformance.contract import Backend, discovery, problems, required, supports, validate
+from conformance.contract import (
+    Backend,
+    discovery,
+    first_edition_features,
+    problems,
+    required,
+    supports,
+    validate,
+)
 from conformance.core.failure import CheckFailure
 from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
@@ -33,12 +41,13 @@ from conformance.families import (
 from conformance.pytest_plugin.divergences import divergence_problems, first_edition_spellings
 from conformance.pytest_plugin.plan import Planned, plan
 from conformance.pytest_plugin.session import Settings
-from conformance.pytest_plugin.suite import _refuse_unknown_divergences
+from conformance.pytest_plugin.suite import _refuse_unknown_divergences, _warn_first_edition
 from conformance.pytest_plugin.tiers import get_tier
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.family import MaxTextFamily
+from tests.contract.toyzoo.families import ToyLm
 
 MAXTEXT = ["maxtext-deepseek3", "maxtext-gemma2", "maxtext-gpt3", "maxtext-llama2"]
 
@@ -499,3 +508,29 @@ def test_features_are_checked_at_load():
     bare = type("Bare", (Gpt3Family,), {"features": lambda self: ()})()
     with pytest.raises(FamilyError, match=r"gpt3 does not declare Remat \(remat\)"):
         required(bare, Remat)
+
+
+def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
+    assert first_edition_features(Gpt3Family()) == []
+    assert first_edition_features(FirstEdition()) == [
+        "Capabilities(decode=True) -> Decode()",
+        "Capabilities(remat=True) with variant(config, remat=True) -> Remat(config), "
+        "config(config) rematerialised",
+        "Capabilities(dropout=True) with variant(config, dropout=rate) -> Dropout(config), "
+        "config(config, rate) with dropout",
+        "Capabilities(aqt=True) with aqt_config -> Aqt(self.aqt_config)",
+        "Capabilities(fp8=True) with fp8_config -> Fp8(self.fp8_config)",
+        "Capabilities(vocab_tiling=True) with vocab_tiling_config -> "
+        "VocabTiling(self.vocab_tiling_config)",
+    ]
+    assert first_edition_features(ToyLm()) == [
+        "Capabilities(decode=True, decode_style='token') with decode_config -> "
+        "Decode(style='token', config=self.decode_config)"
+    ]
+    with pytest.warns(FirstEditionWarning, match=r"-> Aqt\(self.aqt_config\)") as caught:
+        _warn_first_edition(_run(FirstEdition()))
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        "family 'gpt3' declares abilities in the first edition's spelling (Capabilities flags "
+        "with hooks); list them in features(): Capabilities(decode=True) -> Decode(); "
+    )

@@ -3,7 +3,12 @@
 Nothing here imports another harness module; everything else builds on it.
 """
 
-from conformance.contract.declared import declared, required, supports
+from conformance.contract.declared import (
+    declared,
+    first_edition_features,
+    required,
+    supports,
+)
 from conformance.contract.discovery import (
     DISTRIBUTION,
     ENTRY_POINT_GROUP,
@@ -69,6 +74,7 @@ __all__ = [
     "builtin",
     "declared",
     "divergences",
+    "first_edition_features",
     "get",
     "problems",
     "registry",

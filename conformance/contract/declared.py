@@ -8,6 +8,7 @@ edition's :class:`~conformance.contract.Capabilities` flag and hook.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -37,15 +38,60 @@ def _flagged[F: Feature](kind: type[F], hook: Callable[[Family], Any]) -> Callab
     return read
 
 
-FIRST_EDITION: dict[type[Feature], Callable[[Family], Any]] = {
-    Decode: _first_edition_decode,
-    Remat: _flagged(Remat, lambda family: functools.partial(family.variant, remat=True)),
-    Dropout: _flagged(Dropout, lambda family: lambda c, rate: family.variant(c, dropout=rate)),
-    Aqt: _flagged(Aqt, lambda family: family.aqt_config),
-    Fp8: _flagged(Fp8, lambda family: family.fp8_config),
-    VocabTiling: _flagged(VocabTiling, lambda family: family.vocab_tiling_config),
+@dataclasses.dataclass(frozen=True)
+class _FirstEdition:
+    """How a feature was spelt in the first edition: read into its value, and respelt."""
+
+    read: Callable[[Family], Any]
+    """The feature's value from the first edition's declaration, or ``None``."""
+    spelt: Callable[[Family], tuple[str, str]]
+    """The declaration as the family wrote it, and the same in :meth:`Family.features`."""
+
+
+def _decode_spellings(family: Family) -> tuple[str, str]:
+    if family.capabilities.decode_style == "token":
+        old = "Capabilities(decode=True, decode_style='token') with decode_config"
+        return old, "Decode(style='token', config=self.decode_config)"
+    return "Capabilities(decode=True)", "Decode()"
+
+
+def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:
+    return lambda family: (old, new)
+
+
+FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
+    Decode: _FirstEdition(_first_edition_decode, _decode_spellings),
+    Remat: _FirstEdition(
+        _flagged(Remat, lambda family: functools.partial(family.variant, remat=True)),
+        _spelt(
+            "Capabilities(remat=True) with variant(config, remat=True)",
+            "Remat(config), config(config) rematerialised",
+        ),
+    ),
+    Dropout: _FirstEdition(
+        _flagged(Dropout, lambda family: lambda c, rate: family.variant(c, dropout=rate)),
+        _spelt(
+            "Capabilities(dropout=True) with variant(config, dropout=rate)",
+            "Dropout(config), config(config, rate) with dropout",
+        ),
+    ),
+    Aqt: _FirstEdition(
+        _flagged(Aqt, lambda family: family.aqt_config),
+        _spelt("Capabilities(aqt=True) with aqt_config", "Aqt(self.aqt_config)"),
+    ),
+    Fp8: _FirstEdition(
+        _flagged(Fp8, lambda family: family.fp8_config),
+        _spelt("Capabilities(fp8=True) with fp8_config", "Fp8(self.fp8_config)"),
+    ),
+    VocabTiling: _FirstEdition(
+        _flagged(VocabTiling, lambda family: family.vocab_tiling_config),
+        _spelt(
+            "Capabilities(vocab_tiling=True) with vocab_tiling_config",
+            "VocabTiling(self.vocab_tiling_config)",
+        ),
+    ),
 }
-"""Each feature's first-edition spelling, read into the feature's value."""
+"""Each feature's first-edition spelling: read into the feature's value, and respelt."""
 
 
 def declared[F: Feature](family: Family, kind: type[F]) -> F | None:
@@ -54,7 +100,21 @@ def declared[F: Feature](family: Family, kind: type[F]) -> F | None:
         if isinstance(feature, kind):
             return feature
     first = FIRST_EDITION.get(kind)
-    return None if first is None else first(family)
+    return None if first is None else first.read(family)
+
+
+def first_edition_features(family: Family) -> list[str]:
+    """Each ability ``family`` declares in the first edition's spelling, respelt.
+
+    ``"<first edition> -> <feature in features()>"``, a line each; empty for a family
+    written in the second edition (or declaring nothing optional).
+    """
+    typed = {type(feature) for feature in family.features()}
+    return [
+        "{} -> {}".format(*edition.spelt(family))
+        for kind, edition in FIRST_EDITION.items()
+        if kind not in typed and getattr(family.capabilities, kind.capability)
+    ]
 
 
 def required[F: Feature](family: Family, kind: type[F]) -> F:

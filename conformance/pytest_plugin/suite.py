@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from conformance.checks import registry
-from conformance.contract import FirstEditionWarning
+from conformance.contract import FirstEditionWarning, first_edition_features
 from conformance.core import distributed
 from conformance.core.failure import CheckFailure
 from conformance.core.references import references_root
@@ -112,6 +112,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.user_properties.append((AREA, planned.check.area))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
     _refuse_unknown_divergences(run, items)
+    _warn_first_edition(run)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
     families = {f.name: i for i, f in enumerate(run.families)}
@@ -147,6 +148,23 @@ def _refuse_unknown_divergences(run: Settings, items: list[pytest.Item]) -> None
                     f"family {family.name!r} declares known_divergences as "
                     "{'check[id fragment]': reason}, the first edition's spelling; write "
                     "a tuple of Divergence values: " + "; ".join(spellings)
+                ),
+                stacklevel=1,
+            )
+
+
+def _warn_first_edition(run: Settings) -> None:
+    """One :class:`FirstEditionWarning` per family declaring abilities as the first edition did.
+
+    It still works; the warning gives each declaration's second-edition spelling.
+    """
+    for family in run.families:
+        if spellings := first_edition_features(family):
+            warnings.warn(
+                FirstEditionWarning(
+                    f"family {family.name!r} declares abilities in the first edition's "
+                    "spelling (Capabilities flags with hooks); list them in features(): "
+                    + "; ".join(spellings)
                 ),
                 stacklevel=1,
             )

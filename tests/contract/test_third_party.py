@@ -144,6 +144,17 @@ def test_the_value_cache_zoo_decodes_and_quantizes(zoo_run):
     assert '"blocks/0/total"' in golden
 
 
+def test_the_first_edition_zoo_is_shown_the_second_edition_spelling(zoo_run):
+    run, _, _ = zoo_run
+    assert (
+        "FirstEditionWarning: family 'toy-lm' declares abilities in the first edition's "
+        "spelling (Capabilities flags with hooks); list them in features(): "
+        "Capabilities(decode=True, decode_style='token') with decode_config -> "
+        "Decode(style='token', config=self.decode_config)"
+    ) in run.stdout
+    assert "FirstEditionWarning: family 'toy-fn'" not in run.stdout
+
+
 def test_the_mixture_of_experts_trains_with_its_load_balancing_loss(zoo_run):
     _, junit, project = zoo_run
     assert {"aux_losses", "train_step", "sharding"} <= checks_run(junit, "toy-moe")
