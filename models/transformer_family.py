@@ -22,6 +22,7 @@ from conformance.families import (
     Fp8,
     LogicalRules,
     PathRules,
+    Qwix,
     Remat,
     VocabTiling,
 )
@@ -42,7 +43,6 @@ class TransformerFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(False, True),
-        quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         recorded=("linen",),
     )
     train_rngs = ("dropout",)
@@ -53,7 +53,7 @@ class TransformerFamily(Family):
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Prefill decoding, remat and dropout variants, AQT int8, FP8 and vocab tiling.
+        """Prefill decoding, remat and dropout, AQT, FP8, vocab tiling and four Qwix modes.
 
         Decoding takes the ``mode`` keyword, through caches the models hold.
         """
@@ -64,6 +64,9 @@ class TransformerFamily(Family):
             Aqt(self.aqt_config),
             Fp8(self.fp8_config),
             VocabTiling(self.vocab_tiling_config),
+            Qwix(
+                frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}), self.quantization_scope
+            ),
         )
 
     def config(

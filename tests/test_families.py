@@ -19,6 +19,7 @@ from conformance.contract import (
     discovery,
     first_edition_features,
     problems,
+    quantization_scope,
     required,
     supports,
     validate,
@@ -35,6 +36,7 @@ from conformance.families import (
     FamilyError,
     FirstEditionWarning,
     Fp8,
+    Qwix,
     Remat,
     VocabTiling,
 )
@@ -48,6 +50,7 @@ from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.family import MaxTextFamily
 from tests.contract.toyzoo.families import ToyLm
+from tests.faults.quantization import QuantizesOnlyFirstNnxBlock
 
 MAXTEXT = ["maxtext-deepseek3", "maxtext-gemma2", "maxtext-gpt3", "maxtext-llama2"]
 
@@ -301,6 +304,7 @@ class FirstEdition(Gpt3Family):
         aqt=True,
         fp8=True,
         vocab_tiling=True,
+        quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
     )
 
     def variant(self, config, *, remat=False, dropout=0.0):
@@ -327,10 +331,10 @@ class UnhashableConfig(Gpt3Family):
         return {"size": size, "scan_layers": scan_layers}
 
 
-class UnknownMode(Gpt3Family):
+class UnknownMode(FirstEdition):
     name = "unknown-mode"
     capabilities = dataclasses.replace(
-        Gpt3Family.capabilities, quantization=frozenset({"qat_int4"})
+        FirstEdition.capabilities, quantization=frozenset({"qat_int4"})
     )
 
 
@@ -478,11 +482,15 @@ def test_both_editions_give_the_same_feature_configs():
         (Fp8, ()),
         (VocabTiling, (4,)),
         (Decode, ()),
+        (Qwix, ()),
     ]:
         old, new = required(first, kind), required(second, kind)
         assert supports(first, kind.capability)
         assert supports(second, kind.capability)
-        if kind is Decode:
+        if kind is Qwix:
+            assert old.modes == new.modes
+            assert quantization_scope(first, config) == quantization_scope(second, config)
+        elif kind is Decode:
             assert old == new
         else:
             assert old.config(config, *args) == new.config(config, *args), kind
@@ -502,6 +510,8 @@ def test_features_are_checked_at_load():
         "Capabilities(remat=True): keep the Remat feature",
         "family 'twice' lists Aqt twice in features(); give one",
         "family 'twice' declares Aqt(config=None), which is not callable as config(config, mode)",
+        "family 'twice' overrides aqt_config, which its Aqt feature does not call: give "
+        "Aqt(config=self.aqt_config), or drop the override",
         "family 'twice' lists Remat twice in features(); give one",
         "family 'twice' lists 'fp8' in features(), which is no Feature (Decode, Remat, Aqt, ...)",
     ]
@@ -522,6 +532,8 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "Capabilities(fp8=True) with fp8_config -> Fp8(self.fp8_config)",
         "Capabilities(vocab_tiling=True) with vocab_tiling_config -> "
         "VocabTiling(self.vocab_tiling_config)",
+        "Capabilities(quantization={'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}) -> "
+        "Qwix(frozenset({'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}))",
     ]
     assert first_edition_features(ToyLm()) == [
         "Capabilities(decode=True, decode_style='token') with decode_config -> "
@@ -534,3 +546,36 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "family 'gpt3' declares abilities in the first edition's spelling (Capabilities flags "
         "with hooks); list them in features(): Capabilities(decode=True) -> Decode(); "
     )
+
+
+def test_a_qwix_feature_is_checked_at_load():
+    def declaring(*features):
+        return type("Declaring", (Gpt3Family,), {"features": lambda self: features})()
+
+    assert problems(declaring(Qwix(frozenset()))) == [
+        "family 'gpt3' declares Qwix with no mode; give at least one"
+    ]
+    assert problems(declaring(Qwix(frozenset({"qat_int4"}), scope="decoder"))) == [
+        "family 'gpt3' declares Qwix(scope='decoder'), which is not callable as scope(config)",
+        "family 'gpt3' declares quantization modes ['qat_int4']; known modes: qat_int8, "
+        "qat_fp8, ptq_int8, ptq_fp8",
+    ]
+
+
+class OverridesAnIgnoredHook(Gpt3Family):
+    """A zoo's subclass of a second-edition family that overrides a first-edition hook."""
+
+    name = "overrides-variant"
+
+    def variant(self, config, *, remat=False, dropout=0.0):
+        return config
+
+
+def test_an_override_the_features_do_not_call_fails_at_load():
+    assert problems(OverridesAnIgnoredHook()) == [
+        "family 'overrides-variant' overrides variant, which its Remat feature does not call: "
+        "give Remat(config=self.variant), or drop the override",
+        "family 'overrides-variant' overrides variant, which its Dropout feature does not "
+        "call: give Dropout(config=self.variant), or drop the override",
+    ]
+    assert not problems(QuantizesOnlyFirstNnxBlock())

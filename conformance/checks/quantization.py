@@ -29,7 +29,7 @@ from conformance.checks.kernel import (
     shared_params,
     train_step_parity,
 )
-from conformance.contract import Family
+from conformance.contract import Family, quantization_modes
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, Mismatch, compare_arrays, compare_trees
@@ -75,7 +75,7 @@ def _known_failure(values: Mapping[str, Any]) -> str | None:
 
 
 def _declares_topology_mode(family: Family) -> str | None:
-    if TOPOLOGY_MODE in family.capabilities.quantization:
+    if TOPOLOGY_MODE in quantization_modes(family):
         return None
     return f"{family.name} does not declare {TOPOLOGY_MODE}"
 

@@ -6,6 +6,8 @@ Nothing here imports another harness module; everything else builds on it.
 from conformance.contract.declared import (
     declared,
     first_edition_features,
+    quantization_modes,
+    quantization_scope,
     required,
     supports,
 )
@@ -25,6 +27,7 @@ from conformance.contract.features import (
     Dropout,
     Feature,
     Fp8,
+    Qwix,
     Remat,
     VocabTiling,
 )
@@ -69,6 +72,7 @@ __all__ = [
     "QUANTIZATION_MODES",
     "PathRules",
     "QuantScope",
+    "Qwix",
     "Remat",
     "VocabTiling",
     "builtin",
@@ -77,6 +81,8 @@ __all__ = [
     "first_edition_features",
     "get",
     "problems",
+    "quantization_modes",
+    "quantization_scope",
     "registry",
     "required",
     "select",

@@ -14,8 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 from conformance.contract.family import Family
-from conformance.contract.features import Aqt, Decode, Dropout, Feature, Fp8, Remat, VocabTiling
-from conformance.contract.values import FamilyError
+from conformance.contract.features import (
+    Aqt,
+    Decode,
+    Dropout,
+    Feature,
+    Fp8,
+    Qwix,
+    Remat,
+    VocabTiling,
+)
+from conformance.contract.values import FamilyError, QuantScope
 
 
 def _first_edition_decode(family: Family) -> Decode | None:
@@ -55,6 +64,32 @@ def _decode_spellings(family: Family) -> tuple[str, str]:
     return "Capabilities(decode=True)", "Decode()"
 
 
+def _first_edition_qwix(family: Family) -> Qwix | None:
+    """``Capabilities(quantization={...})`` and ``quantization_scope``, as a Qwix."""
+    modes = family.capabilities.quantization
+    return Qwix(frozenset(modes), family.quantization_scope) if modes else None
+
+
+def _qwix_spellings(family: Family) -> tuple[str, str]:
+    modes = ", ".join(repr(mode) for mode in sorted(family.capabilities.quantization))
+    if type(family).quantization_scope is Family.quantization_scope:
+        return f"Capabilities(quantization={{{modes}}})", f"Qwix(frozenset({{{modes}}}))"
+    old = f"Capabilities(quantization={{{modes}}}) with quantization_scope"
+    return old, f"Qwix(frozenset({{{modes}}}), self.quantization_scope)"
+
+
+def quantization_modes(family: Family) -> frozenset[str]:
+    """The Qwix modes ``family`` declares (:class:`Qwix`, in either edition); maybe none."""
+    found = declared(family, Qwix)
+    return frozenset() if found is None else found.modes
+
+
+def quantization_scope(family: Family, config: Any) -> QuantScope:
+    """What ``family``'s Qwix rules target for ``config``: every ``dot_general`` by default."""
+    found = declared(family, Qwix)
+    return QuantScope() if found is None or found.scope is None else found.scope(config)
+
+
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:
     return lambda family: (old, new)
 
@@ -90,6 +125,7 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
             "VocabTiling(self.vocab_tiling_config)",
         ),
     ),
+    Qwix: _FirstEdition(_first_edition_qwix, _qwix_spellings),
 }
 """Each feature's first-edition spelling: read into the feature's value, and respelt."""
 

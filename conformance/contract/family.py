@@ -178,7 +178,8 @@ class Family(abc.ABC):
         :class:`~conformance.contract.Decode` says how the family serves through its KV
         cache, in place of ``Capabilities(decode=True, decode_style=...)`` and
         :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
-        carry the config hook their ``Capabilities`` flag needed. Declaring an ability in
+        carry the config hook their ``Capabilities`` flag needed, ``Qwix`` the modes and
+        the scope. Declaring an ability in
         both spellings is a load error. None by default.
         """
         return ()
@@ -310,7 +311,10 @@ class Family(abc.ABC):
         return ()
 
     def quantization_scope(self, config: Any) -> QuantScope:
-        """What quantization targets; by default every ``jax.lax.dot_general``."""
+        """What quantization targets; by default every ``jax.lax.dot_general``.
+
+        First edition: the second declares ``Qwix(modes, scope)`` in :meth:`features`.
+        """
         del config
         return QuantScope()
 

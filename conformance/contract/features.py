@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from conformance.contract.values import QuantScope
+
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
@@ -25,6 +27,10 @@ class Feature:
     explaining why it lacks it, know it by this name."""
     hooks: ClassVar[dict[str, str]] = {}
     """Its fields that must be callable, each with how it is called."""
+    replaces: ClassVar[tuple[str, str] | None] = None
+    """``(Family method, field)``: the first edition's hook the feature's field takes
+    the place of. A family overriding that method must pass it as the field, or the
+    override would be silently ignored."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Decode(Feature):
     """
 
     capability: ClassVar[str] = "decode"
+    replaces: ClassVar[tuple[str, str] | None] = ("decode_config", "config")
     style: str = "prefill"
     """How the family decodes, one of :data:`~conformance.contract.DECODE_STYLES`.
 
@@ -92,6 +99,7 @@ class Remat(Feature):
     """
 
     capability: ClassVar[str] = "remat"
+    replaces: ClassVar[tuple[str, str] | None] = ("variant", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config)"}
     config: Callable[[Any], Any]
     """``config(config)``: ``config`` rematerialised. It must not change what one step
@@ -106,6 +114,7 @@ class Dropout(Feature):
     """
 
     capability: ClassVar[str] = "dropout"
+    replaces: ClassVar[tuple[str, str] | None] = ("variant", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config, rate)"}
     config: Callable[[Any, float], Any]
     """``config(config, rate)``: ``config`` with dropout at ``rate``, drawing its
@@ -120,6 +129,7 @@ class Aqt(Feature):
     """
 
     capability: ClassVar[str] = "aqt"
+    replaces: ClassVar[tuple[str, str] | None] = ("aqt_config", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config, mode)"}
     config: Callable[[Any, str], Any]
     """``config(config, mode)``: ``config`` quantized by AQT in ``mode``: ``"train"``
@@ -136,6 +146,7 @@ class Fp8(Feature):
     """
 
     capability: ClassVar[str] = "fp8"
+    replaces: ClassVar[tuple[str, str] | None] = ("fp8_config", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config)"}
     config: Callable[[Any], Any]
     """``config(config)``: ``config`` whose projections compute in FP8 with Flax's ops,
@@ -151,8 +162,28 @@ class VocabTiling(Feature):
     """
 
     capability: ClassVar[str] = "vocab_tiling"
+    replaces: ClassVar[tuple[str, str] | None] = ("vocab_tiling_config", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config, tiles)"}
     config: Callable[[Any, int], Any]
     """``config(config, tiles)``: ``config`` whose modules, given ``targets`` and
     ``target_weights`` in a training call, return the summed weighted cross entropy
     computed ``tiles`` slices at a time, holding exactly ``config``'s parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwix(Feature):
+    """Qwix quantization in the modes given (the ``quant_*`` checks, one test per mode).
+
+    The first edition's ``Capabilities(quantization={...})`` with
+    :meth:`Family.quantization_scope`.
+    """
+
+    capability: ClassVar[str] = "quantization"
+    replaces: ClassVar[tuple[str, str] | None] = ("quantization_scope", "scope")
+    modes: frozenset[str]
+    """The modes, names in :data:`~conformance.contract.QUANTIZATION_MODES`: QAT
+    (fake-quantized forward over float parameters) or PTQ (``qvalue`` plus ``scale``
+    parameters), in int8 or fp8 (e4m3)."""
+    scope: Callable[[Any], QuantScope] | None = None
+    """``scope(config)``: what the quantization rules target. ``None`` (the default):
+    every ``jax.lax.dot_general``."""

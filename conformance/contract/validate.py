@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from conformance.contract.family import Family
-from conformance.contract.features import CacheAsValue, Decode, Feature
+from conformance.contract.features import CacheAsValue, Decode, Feature, Qwix
 from conformance.contract.values import (
     BACKENDS,
     DECODE_STYLES,
@@ -58,7 +58,16 @@ def problems(family: Family) -> list[str]:
             f"family {name!r} declares Capabilities(scan_layers={caps.scan_layers}) but does "
             "not define layer_stack_rules(config), which stacks one layout into the other"
         )
-    if unknown := sorted(caps.quantization - set(QUANTIZATION_MODES)):
+    qwix = [feature for feature in family.features() if isinstance(feature, Qwix)]
+    modes = set(qwix[0].modes) if qwix else set(caps.quantization)
+    if qwix and not modes:
+        found.append(f"family {name!r} declares Qwix with no mode; give at least one")
+    if qwix and qwix[0].scope is not None and not callable(qwix[0].scope):
+        found.append(
+            f"family {name!r} declares Qwix(scope={qwix[0].scope!r}), which is not callable "
+            "as scope(config)"
+        )
+    if unknown := sorted(modes - set(QUANTIZATION_MODES)):
         found.append(
             f"family {name!r} declares quantization modes {unknown}; known modes: "
             f"{', '.join(QUANTIZATION_MODES)}"
@@ -168,7 +177,27 @@ def _features(family: Family) -> list[str]:
             for field, call in feature.hooks.items()
             if not callable(getattr(feature, field))
         ]
+        found += _ignored_override(family, feature)
     return found
+
+
+def _ignored_override(family: Family, feature: Feature) -> list[str]:
+    """An override of the first-edition hook ``feature`` replaces that it does not call.
+
+    A family subclassing one written in the second edition may override the old hook
+    (``quantization_scope``, ``aqt_config``, ``variant``...); unless the feature is given
+    that very method, the override would change nothing, silently.
+    """
+    if feature.replaces is None:
+        return []
+    method, field = feature.replaces
+    if not _overrides(family, method) or getattr(feature, field) == getattr(family, method):
+        return []
+    kind = type(feature).__name__
+    return [
+        f"family {family.name!r} overrides {method}, which its {kind} feature does not call: "
+        f"give {kind}({field}=self.{method}), or drop the override"
+    ]
 
 
 def _decode(family: Family, decode: Decode) -> list[str]:

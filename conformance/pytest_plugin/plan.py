@@ -24,7 +24,7 @@ from conformance.checks.registry import (
     Param,
     expected_failure,
 )
-from conformance.contract import Backend, Family, supports
+from conformance.contract import Backend, Family, quantization_modes, supports
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import compiles
@@ -179,7 +179,7 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "quant":
             modes = [
                 m
-                for m in sorted(family.capabilities.quantization)
+                for m in sorted(quantization_modes(family))
                 if method is None or MODES[m].method == method
             ]
             return [(m, m) for m in modes] or [("none", None)]
@@ -233,7 +233,7 @@ def skip_reason(planned: Planned) -> str | None:
         return reason
     if "quant" in planned.values and planned.values["quant"] is None:
         method = f"{check.quant_method} " if check.quant_method else ""
-        declared = ", ".join(sorted(family.capabilities.quantization))
+        declared = ", ".join(sorted(quantization_modes(family)))
         reason = f"{family.name} declares no {method}quantization mode"
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")

@@ -95,10 +95,11 @@ class Tier:
 
 def _first_mode(family: Family, quant: str) -> str:
     """The first mode of :data:`MODES` that ``family`` declares with ``quant``'s method."""
+    from conformance.contract import quantization_modes
     from conformance.runtime.quant import MODES
 
     method = MODES[quant].method
-    declared = family.capabilities.quantization
+    declared = quantization_modes(family)
     return next(m for m in MODES if m in declared and MODES[m].method == method)
 
 

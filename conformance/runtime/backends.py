@@ -21,7 +21,7 @@ from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
-from conformance.contract import Batch, Family
+from conformance.contract import Batch, Family, quantization_scope
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
@@ -82,7 +82,7 @@ def mesh_of(flat: Mapping[str, Any]) -> Mesh | None:
 
 
 def _provider(family: Family, config: Any, quant: str | None) -> QuantizationProvider | None:
-    return None if quant is None else MODES[quant].provider(family.quantization_scope(config))
+    return None if quant is None else MODES[quant].provider(quantization_scope(family, config))
 
 
 class Runner(abc.ABC):

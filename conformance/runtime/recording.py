@@ -27,7 +27,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.contract import Family, supports
+from conformance.contract import Family, quantization_modes, supports
 from conformance.core.distributed import host_array
 from conformance.core.environment import library_versions
 from conformance.core.references import Reference
@@ -86,7 +86,7 @@ def _decode(side: Side, params: Flat) -> dict[str, np.ndarray]:
 def _quantized(side: Side, params: Flat, batch: Any) -> tuple[dict[str, np.ndarray], list[str]]:
     case = side.case
     arrays, left_out = {}, []
-    for mode in sorted(case.family.capabilities.quantization):
+    for mode in sorted(quantization_modes(case.family)):
         if (reason := quant.known_failure(mode, case.scan_layers)) is not None:
             left_out.append(f"{mode}: {reason}")
             continue

@@ -39,6 +39,7 @@ from conformance.families import (
     LogicalRules,
     PathRules,
     QuantScope,
+    Qwix,
     Remat,
     VocabTiling,
 )
@@ -66,7 +67,6 @@ class MaxTextFamily(Family):
 
     capabilities = Capabilities(
         scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
-        quantization=frozenset(QUANTIZATION_MODES),
         recorded=("linen", "nnx"),  # maxtext 0.2.4's two implementations
     )
     train_rngs = ("dropout",)
@@ -75,7 +75,7 @@ class MaxTextFamily(Family):
     """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
 
     def features(self) -> Sequence[Feature]:
-        """Prefill decoding, remat and dropout variants, AQT int8, FP8 and vocab tiling.
+        """Prefill decoding, remat and dropout, AQT, FP8, vocab tiling and every Qwix mode.
 
         Decoding is MaxText's ``model_mode``, through caches the models hold.
         """
@@ -86,6 +86,7 @@ class MaxTextFamily(Family):
             Aqt(self.aqt_config),
             Fp8(self.fp8_config),
             VocabTiling(self.vocab_tiling_config),
+            Qwix(frozenset(QUANTIZATION_MODES), self.quantization_scope),
         )
 
     def unavailable(self) -> str | None:

@@ -25,6 +25,7 @@ from conformance.families import (
     Feature,
     LogicalRules,
     PathRules,
+    Qwix,
 )
 
 from .flaxlm import LinenLm, LmConfig, NnxLm
@@ -195,13 +196,13 @@ class ToyFn(Family):
     """
 
     name = "toy-fn"
-    capabilities = Capabilities(quantization=frozenset({"ptq_int8"}))
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "its blocks are a Python list, never stacked"}
     )
 
     def features(self) -> Sequence[Feature]:
-        return (Decode(cache=CacheAsValue(init=linen_cache, nnx_init=nnx_cache)),)
+        cache = CacheAsValue(init=linen_cache, nnx_init=nnx_cache)
+        return (Decode(cache=cache), Qwix(frozenset({"ptq_int8"})))
 
     def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> ToyConfig:
         del size, scan_layers
@@ -230,7 +231,6 @@ class ToyFnToken(ToyFn):
     """
 
     name = "toy-fn-token"
-    capabilities = Capabilities()
 
     def features(self) -> Sequence[Feature]:
         cache = CacheAsValue(init=linen_cache, nnx_init=nnx_cache)
