@@ -54,10 +54,14 @@ class DecodeError(RuntimeError):
 def _jitted(
     cache: dict[Any, Any], fn: Callable[..., Any], shardings: CacheShardings | None, out: Any
 ) -> Any:
-    """``jax.jit(fn)`` with ``out(shardings)`` as out_shardings, once per cache sharding."""
+    """``jax.jit(fn)`` once per cache sharding, with out_shardings ``out`` when sharded.
+
+    ``out`` is ``shardings`` for a program returning the flat cache, ``(None,
+    shardings)`` for one returning logits and the flat cache.
+    """
     key = tuple(sorted(shardings.items())) if shardings else None
     if key not in cache:
-        cache[key] = jax.jit(fn, out_shardings=out(unflatten(shardings)) if shardings else None)
+        cache[key] = jax.jit(fn, out_shardings=out if shardings else None)
     return cache[key]
 
 
@@ -96,7 +100,9 @@ class Decoder(abc.ABC):
     """A family's model served through its KV cache, for ``rows`` prompts.
 
     What every decoder shares: the cache is a flat dict, with :attr:`specs` and
-    :attr:`logical` by path, and each call is one jitted function of its arguments.
+    :attr:`logical` by path, and each call is one jitted function of its arguments. A
+    subclass gives the programs (:meth:`_init_impl`, :meth:`_call`), of flat caches in
+    and out unless it says otherwise.
     """
 
     family: Family
@@ -105,12 +111,17 @@ class Decoder(abc.ABC):
     """Every cache leaf's shape and dtype, by path."""
     logical: dict[str, Logical]
     """Every cache leaf's logical axis names, by path."""
+    _fns: dict[str, dict[Any, Any]]
+    """The jitted programs by mode (``init``, ``prefill``, ``decode``) and cache sharding."""
 
     @abc.abstractmethod
+    def _init_impl(self) -> Flat:
+        """In a traced program: the empty cache, flat."""
+
     def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
         """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
+        return _jitted(self._fns["init"], self._init_impl, shardings, shardings)()
 
-    @abc.abstractmethod
     def run(
         self,
         mode: str,
@@ -120,6 +131,8 @@ class Decoder(abc.ABC):
         shardings: CacheShardings | None = None,
     ) -> tuple[jax.Array, Flat]:
         """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
+        fn, args = self._call(mode, params, cache, batch, shardings)
+        return fn(*args)
 
     @abc.abstractmethod
     def _call(
@@ -169,16 +182,12 @@ class LinenDecoder(Decoder):
         self.specs: dict[str, LeafSpec] = specs(flatten(nn.meta.unbox(boxed)))
         self._fns: dict[str, dict[Any, Any]] = {"init": {}, "prefill": {}, "decode": {}}
 
-    def _init_impl(self, batch: Batch) -> Any:
+    def _init_impl(self) -> Flat:
+        batch = self.family.batch(self.config, self.rows)
         variables = self.module.init(
             jax.random.key(0), *model_inputs(batch), **_mode(self.family, "prefill")
         )
-        return nn.meta.unbox(variables["cache"])
-
-    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
-        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
-        fn = _jitted(self._fns["init"], self._init_impl, shardings, lambda s: s)
-        return flatten(fn(self.family.batch(self.config, self.rows)))
+        return flatten(nn.meta.unbox(variables["cache"]))
 
     def _serve(self, params: Any, cache: Any, batch: Batch, *, mode: str) -> Any:
         logits, mutated = self.module.apply(
@@ -187,20 +196,7 @@ class LinenDecoder(Decoder):
             **_mode(self.family, mode),
             mutable=["cache"],
         )
-        return logits, nn.meta.unbox(mutated["cache"])
-
-    def run(
-        self,
-        mode: str,
-        params: Flat,
-        cache: Flat,
-        batch: Batch,
-        shardings: CacheShardings | None = None,
-    ) -> tuple[jax.Array, Flat]:
-        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        logits, new_cache = fn(*args)
-        return logits, flatten(new_cache)
+        return logits, flatten(nn.meta.unbox(mutated["cache"]))
 
     def _call(
         self,
@@ -212,7 +208,7 @@ class LinenDecoder(Decoder):
         abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
-        fn = _jitted(self._fns[mode], serve, shardings, lambda s: (None, s))
+        fn = _jitted(self._fns[mode], serve, shardings, (None, shardings))
         return fn, (unflatten(params), unflatten(cache), batch)
 
 
@@ -252,28 +248,12 @@ class NnxDecoder(Decoder):
     def _init_impl(self) -> Flat:
         return _values(nnx.state(self._with_cache(0), nnx.Cache))
 
-    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
-        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
-        return _jitted(self._fns["init"], self._init_impl, shardings, lambda _: shardings)()
-
     def _serve(
         self, params: nnx.State, cache: nnx.State, rest: nnx.State, batch: Batch, *, mode: str
     ) -> Any:
         model = nnx.merge(self.graphdef, params, cache, rest)
         logits = model(*model_inputs(batch), **_mode(self.family, mode))
         return logits, _values(nnx.state(model, nnx.Cache))
-
-    def run(
-        self,
-        mode: str,
-        params: Flat,
-        cache: Flat,
-        batch: Batch,
-        shardings: CacheShardings | None = None,
-    ) -> tuple[jax.Array, Flat]:
-        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        return fn(*args)
 
     def _call(
         self,
@@ -285,7 +265,7 @@ class NnxDecoder(Decoder):
         abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
-        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
+        fn = _jitted(self._fns[mode], serve, shardings, (None, shardings))
         rest = self.runner.context(mesh_of(params), abstract=abstract)
         return fn, (self.runner.pack(params), self._state(cache), rest, batch)
 
@@ -324,10 +304,6 @@ class ValueDecoder(Decoder):
     def _init_impl(self) -> Flat:
         return flatten(nn.meta.unbox(self._init(self.config, self.rows)))
 
-    def init_cache(self, shardings: CacheShardings | None = None) -> Flat:
-        """An empty cache for ``rows`` prompts, created directly with ``shardings``."""
-        return _jitted(self._fns["init"], self._init_impl, shardings, lambda _: shardings)()
-
     def _serve(self, params: Any, context: Any, cache: Flat, batch: Batch, *, mode: str) -> Any:
         call = {**_mode(self.family, mode), self._keyword: refill(self._abstract, cache)}
         out, _ = self.runner.apply(params, context, batch, call=call)
@@ -347,18 +323,6 @@ class ValueDecoder(Decoder):
             )
         return logits, flat
 
-    def run(
-        self,
-        mode: str,
-        params: Flat,
-        cache: Flat,
-        batch: Batch,
-        shardings: CacheShardings | None = None,
-    ) -> tuple[jax.Array, Flat]:
-        """Logits and the updated cache of one ``prefill`` or ``decode`` call."""
-        fn, args = self._call(mode, params, cache, batch, shardings)
-        return fn(*args)
-
     def _call(
         self,
         mode: str,
@@ -369,7 +333,7 @@ class ValueDecoder(Decoder):
         abstract: bool = False,
     ) -> tuple[Any, tuple[Any, ...]]:
         serve = functools.partial(self._serve, mode=mode)
-        fn = _jitted(self._fns[mode], serve, shardings, lambda _: (None, shardings))
+        fn = _jitted(self._fns[mode], serve, shardings, (None, shardings))
         context = self.runner.context(mesh_of(params), abstract=abstract)
         return fn, (self.runner.pack(params), context, cache, batch)
 
