@@ -556,9 +556,9 @@ def test_a_qwix_feature_is_checked_at_load():
         "family 'gpt3' declares Qwix with no mode; give at least one"
     ]
     assert problems(declaring(Qwix(frozenset({"qat_int4"}), scope="decoder"))) == [
-        "family 'gpt3' declares Qwix(scope='decoder'), which is not callable as scope(config)",
         "family 'gpt3' declares quantization modes ['qat_int4']; known modes: qat_int8, "
         "qat_fp8, ptq_int8, ptq_fp8",
+        "family 'gpt3' declares Qwix(scope='decoder'), which is not callable as scope(config)",
     ]
 
 

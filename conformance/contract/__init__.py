@@ -9,6 +9,7 @@ from conformance.contract.declared import (
     quantization_modes,
     quantization_scope,
     required,
+    spelling,
     supports,
 )
 from conformance.contract.discovery import (
@@ -86,6 +87,7 @@ __all__ = [
     "registry",
     "required",
     "select",
+    "spelling",
     "supports",
     "validate",
 ]

@@ -163,7 +163,14 @@ def required[F: Feature](family: Family, kind: type[F]) -> F:
 
 def supports(family: Family, capability: str) -> bool:
     """Whether ``family`` has the ability named ``capability``, by feature or by flag."""
-    for feature in family.features():
-        if feature.capability == capability:
-            return True
-    return bool(getattr(family.capabilities, capability, False))
+    typed = any(feature.capability == capability for feature in family.features())
+    return typed or bool(getattr(family.capabilities, capability, False))
+
+
+def spelling(capability: str) -> str:
+    """How a family declares the ability named ``capability``: ``"<Feature> in features()"``.
+
+    ``Capabilities(<capability>=...)`` for an ability with no typed feature.
+    """
+    kinds = [kind.__name__ for kind in FIRST_EDITION if kind.capability == capability]
+    return f"{kinds[0]} in features()" if kinds else f"Capabilities({capability}=...)"

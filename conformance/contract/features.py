@@ -27,6 +27,9 @@ class Feature:
     explaining why it lacks it, know it by this name."""
     hooks: ClassVar[dict[str, str]] = {}
     """Its fields that must be callable, each with how it is called."""
+    optional: ClassVar[dict[str, str]] = {}
+    """Its fields that may be ``None`` (the default) or else must be callable, each with
+    how it is called."""
     replaces: ClassVar[tuple[str, str] | None] = None
     """``(Family method, field)``: the first edition's hook the feature's field takes
     the place of. A family overriding that method must pass it as the field, or the
@@ -72,6 +75,7 @@ class Decode(Feature):
 
     capability: ClassVar[str] = "decode"
     replaces: ClassVar[tuple[str, str] | None] = ("decode_config", "config")
+    optional: ClassVar[dict[str, str]] = {"config": "config(config)"}
     style: str = "prefill"
     """How the family decodes, one of :data:`~conformance.contract.DECODE_STYLES`.
 
@@ -180,6 +184,7 @@ class Qwix(Feature):
 
     capability: ClassVar[str] = "quantization"
     replaces: ClassVar[tuple[str, str] | None] = ("quantization_scope", "scope")
+    optional: ClassVar[dict[str, str]] = {"scope": "scope(config)"}
     modes: frozenset[str]
     """The modes, names in :data:`~conformance.contract.QUANTIZATION_MODES`: QAT
     (fake-quantized forward over float parameters) or PTQ (``qvalue`` plus ``scale``

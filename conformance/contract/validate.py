@@ -62,11 +62,6 @@ def problems(family: Family) -> list[str]:
     modes = set(qwix[0].modes) if qwix else set(caps.quantization)
     if qwix and not modes:
         found.append(f"family {name!r} declares Qwix with no mode; give at least one")
-    if qwix and qwix[0].scope is not None and not callable(qwix[0].scope):
-        found.append(
-            f"family {name!r} declares Qwix(scope={qwix[0].scope!r}), which is not callable "
-            "as scope(config)"
-        )
     if unknown := sorted(modes - set(QUANTIZATION_MODES)):
         found.append(
             f"family {name!r} declares quantization modes {unknown}; known modes: "
@@ -171,10 +166,11 @@ def _features(family: Family) -> list[str]:
                 f"in features() and as Capabilities({feature.capability}=True): keep the "
                 f"{kind.__name__} feature"
             )
+        optional = {f: c for f, c in feature.optional.items() if getattr(feature, f) is not None}
         found += [
             f"family {name!r} declares {kind.__name__}({field}={getattr(feature, field)!r}), "
             f"which is not callable as {call}"
-            for field, call in feature.hooks.items()
+            for field, call in {**feature.hooks, **optional}.items()
             if not callable(getattr(feature, field))
         ]
         found += _ignored_override(family, feature)
@@ -209,7 +205,7 @@ def _decode(family: Family, decode: Decode) -> list[str]:
             f"{', '.join(DECODE_STYLES)}"
         ]
     found = []
-    if style == "token" and not callable(decode.config):
+    if style == "token" and decode.config is None:
         found.append(
             f"family {name!r} declares Decode(style='token') without config=, the config "
             "whose modules decode one token per call (config(config) -> config)"

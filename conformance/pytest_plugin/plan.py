@@ -24,7 +24,7 @@ from conformance.checks.registry import (
     Param,
     expected_failure,
 )
-from conformance.contract import Backend, Family, quantization_modes, supports
+from conformance.contract import Backend, Family, quantization_modes, spelling, supports
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import compiles
@@ -258,10 +258,8 @@ def skip_reason(planned: Planned) -> str | None:
     )
     missing = [name for name in wanted if not supports(family, name)]
     if missing:
-        declared = ", ".join(f"{name}=True" for name in missing)
-        return _because(
-            family, f"{family.name} does not declare Capabilities({declared})", *missing
-        )
+        declared = " or ".join(spelling(name) for name in missing)
+        return _because(family, f"{family.name} does not declare {declared}", *missing)
     if check.requires is not None and (reason := check.requires(family)) is not None:
         return _because(family, reason, check.name)
     return None

@@ -84,8 +84,9 @@ def _serving(family: Family, config: Any) -> Any:
     Its :attr:`Decode.config <conformance.contract.Decode.config>` of ``config`` when it
     decodes token by token, else ``config`` itself (whose modules take a ``mode`` keyword).
     """
-    serving = decoding(family).config
-    return serving(config) if by_token(family) and serving is not None else config
+    decode = decoding(family)
+    token = decode.style == "token" and decode.config is not None
+    return decode.config(config) if token else config
 
 
 def _mode(family: Family, mode: str) -> dict[str, str]:
@@ -290,8 +291,8 @@ class ValueDecoder(Decoder):
     def __init__(
         self, family: Family, config: Any, rows: int, runner: Runner, init: Callable[..., Any]
     ) -> None:
-        self.family, self.rows, self.runner = family, rows, runner
-        self.config = _serving(family, config)
+        """``config`` is the serving config (:func:`_serving`), ``runner``'s."""
+        self.family, self.rows, self.runner, self.config = family, rows, runner, config
         self._init, self._keyword = init, _as_value(family).keyword
         boxed = jax.eval_shape(lambda: init(self.config, rows))
         self._abstract = nn.meta.unbox(boxed)
@@ -342,17 +343,18 @@ class LinenValueDecoder(ValueDecoder):
     """A Linen family's modules served with their cache passed as a value."""
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
-        runner = linen_runner(family, _serving(family, config))
-        super().__init__(family, config, rows, runner, _as_value(family).init)
+        serving = _serving(family, config)
+        runner = linen_runner(family, serving)
+        super().__init__(family, serving, rows, runner, _as_value(family).init)
 
 
 class NnxValueDecoder(ValueDecoder):
     """An NNX family's modules served with their cache passed as a value."""
 
     def __init__(self, family: Family, config: Any, rows: int) -> None:
-        runner = nnx_runner(family, _serving(family, config))
-        feature = _as_value(family)
-        super().__init__(family, config, rows, runner, feature.nnx_init or feature.init)
+        serving, feature = _serving(family, config), _as_value(family)
+        runner = nnx_runner(family, serving)
+        super().__init__(family, serving, rows, runner, feature.nnx_init or feature.init)
 
 
 def _values(cache: nnx.State) -> Flat:
