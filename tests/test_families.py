@@ -16,6 +16,8 @@ from conformance.checks import registry
 from conformance.checks.declare import Axis, Check
 from conformance.contract import (
     Backend,
+    aux_losses,
+    declared,
     discovery,
     first_edition_features,
     problems,
@@ -29,6 +31,8 @@ from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
 from conformance.families import (
     Aqt,
+    AuxLosses,
+    Capabilities,
     Decode,
     Divergence,
     Dropout,
@@ -49,6 +53,7 @@ from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.family import MaxTextFamily
+from conformance_models.moe.family import MoeFamily
 from tests.contract.toyzoo.families import ToyLm
 from tests.faults.quantization import QuantizesOnlyFirstNnxBlock
 
@@ -546,6 +551,51 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "family 'gpt3' declares abilities in the first edition's spelling (Capabilities flags "
         "with hooks); list them in features(): Capabilities(decode=True) -> Decode(); "
     )
+
+
+class FirstEditionMoe(MoeFamily):
+    """moe declaring its loss in the first edition, turned on by ``aux_losses_config``."""
+
+    capabilities = Capabilities(aux_losses=("moe_lb_loss",))
+
+    def features(self):
+        return ()
+
+    def aux_losses_config(self, config):
+        return dataclasses.replace(config, lb_weight=0.01)
+
+
+def test_both_editions_declare_the_same_auxiliary_losses():
+    config = MoeFamily().config("tiny", scan_layers=False)
+    first = FirstEditionMoe()
+    assert aux_losses(first) == aux_losses(MoeFamily()) == ("moe_lb_loss",)
+    assert declared(MoeFamily(), AuxLosses).config is None
+    assert declared(first, AuxLosses).config(config) == first.aux_losses_config(config)
+    assert aux_losses(Gpt3Family()) == ()
+    assert first_edition_features(first) == [
+        "Capabilities(aux_losses=('moe_lb_loss',)) with aux_losses_config -> "
+        "AuxLosses(('moe_lb_loss',), self.aux_losses_config)"
+    ]
+
+
+def test_an_aux_losses_feature_is_checked_at_load():
+    def declaring(*features):
+        return type("Declaring", (MoeFamily,), {"features": lambda self: features})()
+
+    assert problems(declaring(AuxLosses(()))) == [
+        "family 'moe' declares AuxLosses(names=()); give the sown names, a non-empty tuple "
+        "of strings"
+    ]
+    assert problems(declaring(AuxLosses("moe_lb_loss", config="on"))) == [
+        "family 'moe' declares AuxLosses(config='on'), which is not callable as config(config)",
+        "family 'moe' declares AuxLosses(names='moe_lb_loss'); give the sown names, a "
+        "non-empty tuple of strings",
+    ]
+    overrides = type("Overrides", (MoeFamily,), {"aux_losses_config": lambda self, c: c})()
+    assert problems(overrides) == [
+        "family 'moe' overrides aux_losses_config, which its AuxLosses feature does not "
+        "call: give AuxLosses(config=self.aux_losses_config), or drop the override"
+    ]
 
 
 def test_a_qwix_feature_is_checked_at_load():

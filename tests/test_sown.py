@@ -1,7 +1,5 @@
 """The header names what each side sows in training and the family does not declare."""
 
-import dataclasses
-
 from conformance.core.scope import Scope
 from conformance.runtime.sown import undeclared
 from conformance_models.gpt3.family import Gpt3Family
@@ -11,7 +9,8 @@ from conformance_models.moe.family import MoeFamily
 class MoeUndeclared(MoeFamily):
     """moe whose load-balancing loss is sown on both sides but not declared (planted)."""
 
-    capabilities = dataclasses.replace(MoeFamily.capabilities, aux_losses=())
+    def features(self):
+        return ()
 
 
 def _undeclared(family):

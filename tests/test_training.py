@@ -9,11 +9,13 @@ import pytest
 from flax import nnx
 
 from conformance import families
+from conformance.contract import AuxLosses
 from conformance.core.sharding import parse_mesh
 from conformance.runtime.objective import target_weights
 from conformance.runtime.train_state import flat_state, step_streams
 from conformance.runtime.training import linen_trainer, nnx_trainer
 from conformance_models.llama.family import LlamaFamily
+from conformance_models.moe.routing import AUX_LOSS
 from tests.faults.training import MoeLossWeightedOff, StrayCounterBesideRngs
 from tests.suite_run import run_check
 
@@ -142,14 +144,17 @@ def test_both_train_states_keep_declared_persistent_state_and_agree(tmp_path):
 
 
 class MoeLossWeightedOn(MoeLossWeightedOff):
-    """The planted weight-0 moe with the hook that turns its loss on for ``aux_losses``."""
+    """The planted weight-0 moe whose feature turns its loss on for ``aux_losses``."""
 
-    def aux_losses_config(self, config):
+    def features(self):
+        return (AuxLosses((AUX_LOSS,), self.loss_on),)
+
+    def loss_on(self, config):
         return dataclasses.replace(config, lb_weight=0.01)
 
 
-def test_aux_losses_trains_the_config_of_the_family_hook(tmp_path):
-    """Benign: a family whose loss is on only in its ``aux_losses_config`` passes."""
+def test_aux_losses_trains_the_config_of_the_family_feature(tmp_path):
+    """Benign: a family whose loss is on only in its ``AuxLosses.config`` passes."""
     run_check("aux_losses", MoeLossWeightedOn(), tmp_path, parse_mesh("data=2,fsdp=2,tensor=2"))
 
 

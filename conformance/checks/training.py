@@ -24,7 +24,7 @@ from conformance.checks.kernel import (
     train_pair,
     train_step_parity,
 )
-from conformance.contract import Dropout, Family, Fp8, Remat, required
+from conformance.contract import AuxLosses, Dropout, Family, Fp8, Remat, declared, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, tolerance_for
@@ -65,14 +65,15 @@ LAYOUT_VARIANTS = (
 def _additive_loss(family: Family) -> str | None:
     """Why micro-batches cannot reproduce ``family``'s whole-batch step, if they cannot.
 
-    Only a family whose own configs sow auxiliary losses (:attr:`Family.sows_aux_losses`).
+    Only a family whose own configs sow auxiliary losses (an :class:`AuxLosses` without
+    a config of its own).
     """
-    if family.sows_aux_losses:
-        names = family.capabilities.aux_losses
+    losses = declared(family, AuxLosses)
+    if losses is not None and losses.config is None:
         return (
-            f"{family.name} sows auxiliary losses ({', '.join(names)}) that may be computed "
-            "from batch statistics: accumulated over micro-batches they are computed per "
-            "micro-batch, so the step need not equal the whole batch's"
+            f"{family.name} sows auxiliary losses ({', '.join(losses.names)}) that may be "
+            "computed from batch statistics: accumulated over micro-batches they are "
+            "computed per micro-batch, so the step need not equal the whole batch's"
         )
     return None
 
@@ -396,16 +397,17 @@ def _dropout_losses(side: Side, params: Flat, batch: Any) -> list[float]:
 def check_aux_losses(case: Case) -> None:
     """The auxiliary losses a family sows reach the training loss, alike on both backends.
 
-    One train step of the family's :meth:`~conformance.contract.Family.aux_losses_config`
-    from the same parameters on each side: every name the family declares
-    (:attr:`~conformance.contract.Capabilities.aux_losses`) must be added to the loss and be
-    non-zero, with a non-zero gradient of their own; the two sides' values and gradients
-    must agree under the tolerance policy; and each side's loss must be its cross entropy
-    (its own forward's logits, the harness's loss) plus exactly those values: nothing
-    strips them before the loss, nothing adds them twice, nothing detaches them.
+    One train step of the family's :attr:`AuxLosses.config
+    <conformance.contract.AuxLosses.config>` from the same parameters on each side: every
+    name the family declares (:class:`~conformance.contract.AuxLosses`) must be added to
+    the loss and be non-zero, with a non-zero gradient of their own; the two sides' values
+    and gradients must agree under the tolerance policy; and each side's loss must be its
+    cross entropy (its own forward's logits, the harness's loss) plus exactly those values:
+    nothing strips them before the loss, nothing adds them twice, nothing detaches them.
     """
-    names = case.family.capabilities.aux_losses
-    case = case.with_config(case.family.aux_losses_config(case.config))
+    losses = required(case.family, AuxLosses)
+    names = losses.names
+    case = case.with_config(case.config if losses.config is None else losses.config(case.config))
     pair = train_pair(case)
     batch = case.batch()
     gradients = [training.aux_gradient(batch) for training in pair]

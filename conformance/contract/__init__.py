@@ -4,6 +4,7 @@ Nothing here imports another harness module; everything else builds on it.
 """
 
 from conformance.contract.declared import (
+    aux_losses,
     declared,
     first_edition_features,
     quantization_modes,
@@ -23,6 +24,7 @@ from conformance.contract.discovery import (
 from conformance.contract.family import Family
 from conformance.contract.features import (
     Aqt,
+    AuxLosses,
     CacheAsValue,
     Decode,
     Dropout,
@@ -54,6 +56,7 @@ __all__ = [
     "DISTRIBUTION",
     "ENTRY_POINT_GROUP",
     "Aqt",
+    "AuxLosses",
     "Backend",
     "Batch",
     "CacheAsValue",
@@ -76,6 +79,7 @@ __all__ = [
     "Qwix",
     "Remat",
     "VocabTiling",
+    "aux_losses",
     "builtin",
     "declared",
     "divergences",

@@ -16,6 +16,7 @@ from typing import Any
 from conformance.contract.family import Family
 from conformance.contract.features import (
     Aqt,
+    AuxLosses,
     Decode,
     Dropout,
     Feature,
@@ -90,6 +91,27 @@ def quantization_scope(family: Family, config: Any) -> QuantScope:
     return QuantScope() if found is None or found.scope is None else found.scope(config)
 
 
+def _first_edition_aux_losses(family: Family) -> AuxLosses | None:
+    """``Capabilities(aux_losses=names)`` and ``aux_losses_config``, as an AuxLosses."""
+    names = tuple(family.capabilities.aux_losses)
+    own = type(family).aux_losses_config is Family.aux_losses_config
+    return AuxLosses(names, None if own else family.aux_losses_config) if names else None
+
+
+def _aux_losses_spellings(family: Family) -> tuple[str, str]:
+    names = tuple(family.capabilities.aux_losses)
+    if type(family).aux_losses_config is Family.aux_losses_config:
+        return f"Capabilities(aux_losses={names!r})", f"AuxLosses({names!r})"
+    old = f"Capabilities(aux_losses={names!r}) with aux_losses_config"
+    return old, f"AuxLosses({names!r}, self.aux_losses_config)"
+
+
+def aux_losses(family: Family) -> tuple[str, ...]:
+    """The auxiliary losses ``family`` declares (:class:`AuxLosses`, either edition); maybe none."""
+    found = declared(family, AuxLosses)
+    return () if found is None else tuple(found.names)
+
+
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:
     return lambda family: (old, new)
 
@@ -126,6 +148,7 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
         ),
     ),
     Qwix: _FirstEdition(_first_edition_qwix, _qwix_spellings),
+    AuxLosses: _FirstEdition(_first_edition_aux_losses, _aux_losses_spellings),
 }
 """Each feature's first-edition spelling: read into the feature's value, and respelt."""
 

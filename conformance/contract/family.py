@@ -179,8 +179,8 @@ class Family(abc.ABC):
         cache, in place of ``Capabilities(decode=True, decode_style=...)`` and
         :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
         carry the config hook their ``Capabilities`` flag needed, ``Qwix`` the modes and
-        the scope. Declaring an ability in
-        both spellings is a load error. None by default.
+        the scope, ``AuxLosses`` the sown names and the config that turns them on.
+        Declaring an ability in both spellings is a load error. None by default.
         """
         return ()
 
@@ -344,22 +344,14 @@ class Family(abc.ABC):
         del config
         raise FamilyError(f"{self.name} does not support FP8 training")
 
-    @property
-    def sows_aux_losses(self) -> bool:
-        """Whether the family's own configs sow its declared auxiliary losses.
-
-        They do unless the family turns them on only in :meth:`aux_losses_config`.
-        """
-        own = type(self).aux_losses_config is Family.aux_losses_config
-        return bool(self.capabilities.aux_losses) and own
-
     def aux_losses_config(self, config: Any) -> Any:
         """The config the ``aux_losses`` check trains: ``config`` itself by default.
 
         For a family whose models sow their declared auxiliary losses
-        (:attr:`Capabilities.aux_losses`) only when a weight is on, as MaxText's
+        (``Capabilities(aux_losses=names)``) only when a weight is on, as MaxText's
         ``load_balance_loss_weight`` (0 in its ``base.yml``): return ``config`` with it
-        on, and every other check keeps the family's own config.
+        on, and every other check keeps the family's own config. First edition: the
+        second declares ``AuxLosses(names, config)`` in :meth:`features`.
         """
         return config
 

@@ -192,3 +192,30 @@ class Qwix(Feature):
     scope: Callable[[Any], QuantScope] | None = None
     """``scope(config)``: what the quantization rules target. ``None`` (the default):
     every ``jax.lax.dot_general``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxLosses(Feature):
+    """Scalar auxiliary losses the model sows in a training forward (``aux_losses``).
+
+    The first edition's ``Capabilities(aux_losses=names)`` with
+    :meth:`Family.aux_losses_config`. MoE load balancing and multi-token prediction
+    sow such losses: Linen ``self.sow("intermediates", name, value)``, NNX
+    ``self.sow(nnx.Intermediate, name, value)`` (or a subclass of it). The harness's
+    train step adds every value sown under each name to the loss, as a training stack
+    must; the ``aux_losses`` check compares them across backends and shows they reach
+    the loss.
+    """
+
+    capability: ClassVar[str] = "aux_losses"
+    replaces: ClassVar[tuple[str, str] | None] = ("aux_losses_config", "config")
+    optional: ClassVar[dict[str, str]] = {"config": "config(config)"}
+    names: tuple[str, ...]
+    """The sown names, at least one."""
+    config: Callable[[Any], Any] | None = None
+    """``config(config)``: ``config`` with the losses on, for a family whose models sow
+    them only when a weight is on (MaxText's ``load_balance_loss_weight``, 0 in its
+    ``base.yml``): the ``aux_losses`` check trains it, every other check the family's own
+    config. ``None`` (the default): the family's own configs sow them, so every check
+    trains them (and ``grad_accumulation`` skips: a loss computed from batch statistics
+    need not add up over micro-batches)."""

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from conformance.contract.family import Family
-from conformance.contract.features import CacheAsValue, Decode, Feature, Qwix
+from conformance.contract.features import AuxLosses, CacheAsValue, Decode, Feature, Qwix
 from conformance.contract.values import (
     BACKENDS,
     DECODE_STYLES,
@@ -73,6 +73,7 @@ def problems(family: Family) -> list[str]:
             f"{', '.join(BACKENDS)}"
         )
     found += _features(family)
+    found += _aux_losses(family)
     found += _decoding(family)
     found += _divergences(family)
     if not family.has_linen and not caps.recorded:
@@ -175,6 +176,20 @@ def _features(family: Family) -> list[str]:
         ]
         found += _ignored_override(family, feature)
     return found
+
+
+def _aux_losses(family: Family) -> list[str]:
+    """An :class:`AuxLosses` feature naming no loss, or a name that is not a string."""
+    typed = [feature for feature in family.features() if isinstance(feature, AuxLosses)]
+    if not typed:
+        return []
+    names = typed[0].names
+    if isinstance(names, tuple) and names and all(isinstance(n, str) for n in names):
+        return []
+    return [
+        f"family {family.name!r} declares AuxLosses(names={names!r}); give the sown names, "
+        "a non-empty tuple of strings"
+    ]
 
 
 def _ignored_override(family: Family, feature: Feature) -> list[str]:

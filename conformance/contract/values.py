@@ -210,12 +210,9 @@ class Capabilities:
     fp8: bool = False
     """FP8 training with delayed scaling through :meth:`Family.fp8_config`."""
     aux_losses: tuple[str, ...] = ()
-    """Scalar auxiliary losses the model sows in a training forward (MoE load balancing,
-    multi-token prediction), by name: Linen ``self.sow("intermediates", name, value)``,
-    NNX ``self.sow(nnx.Intermediate, name, value)`` (or a subclass of it). The harness's
-    train step adds every value sown under each name to the loss, as a training stack
-    must; the ``aux_losses`` check compares them across backends and shows they reach
-    the loss."""
+    """Scalar auxiliary losses the model sows in a training forward, by name. First
+    edition: the second declares :class:`~conformance.contract.AuxLosses` in
+    :meth:`Family.features`, which says what the harness does with them."""
     recorded: tuple[str, ...] = ()
     """Backends (``"linen"``, ``"nnx"``) whose recorded reference the family keeps in the
     repository (``python -m conformance.record``): the ``recorded_*`` checks compare each

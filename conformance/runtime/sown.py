@@ -1,7 +1,7 @@
 """What each side sows in a training forward, found by tracing alone.
 
 A value a model sows in training and the family does not declare
-(:attr:`~conformance.contract.Capabilities.aux_losses`) reaches no check: an auxiliary
+(:class:`~conformance.contract.AuxLosses`) reaches no check: an auxiliary
 loss that a migration dropped from the objective, or silenced, goes unseen. The run's
 header lists such values (:func:`undeclared`), so a reader sees what is not checked.
 Nothing is computed: each side's training forward is traced with ``jax.eval_shape``.
@@ -15,7 +15,7 @@ import jax
 from flax import linen as nn
 from flax import nnx
 
-from conformance.contract import Family
+from conformance.contract import Family, aux_losses
 from conformance.core.trees import flatten
 from conformance.runtime.backends import HIDDEN_STATES, linen_runner, model_inputs, nnx_runner
 
@@ -75,7 +75,7 @@ def undeclared(family: Family, config: Any) -> dict[str, list[str]]:
 
     A side the family does not have (Linen deleted) is left out.
     """
-    declared = set(family.capabilities.aux_losses) | set(KNOWN)
+    declared = set(aux_losses(family)) | set(KNOWN)
     found = {"NNX": nnx_sown(family, config)}
     if family.has_linen:
         found = {"Linen": linen_sown(family, config), **found}

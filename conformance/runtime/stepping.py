@@ -45,7 +45,7 @@ class Training:
     step: Any
     aux: dict[str, Any] = dataclasses.field(default_factory=dict)
     """The auxiliary losses the last step added to its loss, by name (see
-    :attr:`~conformance.contract.Capabilities.aux_losses`)."""
+    :class:`~conformance.contract.AuxLosses`)."""
 
     @classmethod
     def start(
@@ -70,7 +70,7 @@ class Training:
     def aux_gradient(self, batch: Any) -> Flat:
         """The gradient of the family's auxiliary losses alone at the current state.
 
-        Keyed by canonical paths (see :attr:`~conformance.contract.Capabilities.aux_losses`).
+        Keyed by canonical paths (see :class:`~conformance.contract.AuxLosses`).
         """
         grads = self.trainer.aux_gradient_fn(self.state, batch)
         return self.side.canonical(flat_state(grads))

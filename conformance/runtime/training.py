@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Backend, Batch, Family, VocabTiling, required
+from conformance.contract import Backend, Batch, Family, VocabTiling, aux_losses, required
 from conformance.core.scope import scoped
 from conformance.core.seams import seam
 from conformance.core.sharding import Logical, nnx_logical
@@ -95,7 +95,7 @@ class _Trainer:
         self.micro_batches = micro_batches
         self.tx = make_optimizer()
         self.predicts = family.logits_predict
-        self.aux_names = family.capabilities.aux_losses
+        self.aux_names = aux_losses(family)
         default_loss = functools.partial(masked_token_loss, predicts=self.predicts)
         self.loss = seam(f"{self.backend}_loss", default_loss)
         self.accumulate = seam(f"{self.backend}_accumulate", accumulate)
@@ -279,7 +279,7 @@ class LinenTrainer(_Trainer):
 
         :meth:`step`'s own objective (same forward, RNG streams and loss path) with the
         cross entropy left out, for the sum of what the forward sows under
-        :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
+        :class:`~conformance.contract.AuxLosses`; unjitted.
         """
         params, overwrite, persistent = self._split(state["model"])
         streams = self._streams(state["optimizer"]["step"])
@@ -402,7 +402,7 @@ class NnxTrainer(_Trainer):
 
         :meth:`step`'s own objective (the same seams, RNG streams and loss path) with the
         cross entropy left out, for the sum of what the forward sows under
-        :attr:`~conformance.contract.Capabilities.aux_losses`; unjitted.
+        :class:`~conformance.contract.AuxLosses`; unjitted.
         """
         grad_fn = nnx.value_and_grad(
             self._loss_fn(cross_entropy=False),

@@ -27,6 +27,7 @@ from flax import nnx
 from conformance.families import (
     QUANTIZATION_MODES,
     Aqt,
+    AuxLosses,
     Batch,
     Capabilities,
     Decode,
@@ -454,7 +455,6 @@ class MaxTextDeepseek3(MaxTextFamily):
     name = "maxtext-deepseek3"
     model_name = "deepseek3-tiny"
     sizes = ("tiny", "deepseek3-671b")
-    capabilities = dataclasses.replace(MaxTextFamily.capabilities, aux_losses=("moe_lb_loss",))
     overrides = MappingProxyType(
         {
             "first_num_dense_layers": 1,
@@ -513,6 +513,10 @@ class MaxTextDeepseek3(MaxTextFamily):
             ),
         },
     )
+
+    def features(self) -> Sequence[Feature]:
+        """MaxText's features, with the load-balancing loss on in :meth:`aux_losses_config`."""
+        return (*super().features(), AuxLosses(("moe_lb_loss",), self.aux_losses_config))
 
     def aux_losses_config(self, config: MaxTextConfig) -> MaxTextConfig:
         """``config`` with MaxText's load-balancing loss on (``load_balance_loss_weight``).

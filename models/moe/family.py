@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import Capabilities, Feature, LogicalRules
+from conformance.families import AuxLosses, Capabilities, Feature, LogicalRules
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -24,15 +24,16 @@ class MoeFamily(TransformerFamily):
     """
 
     name = "moe"
-    capabilities = Capabilities(aux_losses=(AUX_LOSS,))
+    capabilities = Capabilities()
+    """No recorded reference, and one layer layout (``unsupported`` says why)."""
     train_rngs = ()
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "kept small: one layer layout, a Python list of blocks"}
     )
 
     def features(self) -> Sequence[Feature]:
-        """None: unlike the other transformers, moe does not declare decoding."""
-        return ()
+        """Its load-balancing loss; unlike the other transformers, moe does not decode."""
+        return (AuxLosses((AUX_LOSS,)),)
 
     base_configs: ClassVar[dict[str, MoeConfig]] = {
         "tiny": MoeConfig(
