@@ -13,6 +13,7 @@ from flax import nnx
 
 from conformance.families import (
     Aqt,
+    Backend,
     Batch,
     Capabilities,
     Decode,
@@ -23,6 +24,7 @@ from conformance.families import (
     LogicalRules,
     PathRules,
     Qwix,
+    Recorded,
     Remat,
     VocabTiling,
 )
@@ -41,10 +43,7 @@ class TransformerFamily(Family):
 
     goldens = GOLDENS
 
-    capabilities = Capabilities(
-        scan_layers=(False, True),
-        recorded=("linen",),
-    )
+    capabilities = Capabilities(scan_layers=(False, True))
     train_rngs = ("dropout",)
     expected_bridges = MappingProxyType({"linen": 0, "nnx": 0})
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
@@ -53,7 +52,7 @@ class TransformerFamily(Family):
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Prefill decoding, remat and dropout, AQT, FP8, vocab tiling and four Qwix modes.
+        """Decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix and Linen's recording.
 
         Decoding takes the ``mode`` keyword, through caches the models hold.
         """
@@ -67,6 +66,7 @@ class TransformerFamily(Family):
             Qwix(
                 frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}), self.quantization_scope
             ),
+            Recorded((Backend.LINEN,)),
         )
 
     def config(

@@ -41,6 +41,7 @@ from conformance.families import (
     FirstEditionWarning,
     Fp8,
     Qwix,
+    Recorded,
     Remat,
     VocabTiling,
 )
@@ -310,6 +311,7 @@ class FirstEdition(Gpt3Family):
         fp8=True,
         vocab_tiling=True,
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
+        recorded=("linen",),
     )
 
     def variant(self, config, *, remat=False, dropout=0.0):
@@ -488,6 +490,7 @@ def test_both_editions_give_the_same_feature_configs():
         (VocabTiling, (4,)),
         (Decode, ()),
         (Qwix, ()),
+        (Recorded, ()),
     ]:
         old, new = required(first, kind), required(second, kind)
         assert supports(first, kind.capability)
@@ -495,7 +498,7 @@ def test_both_editions_give_the_same_feature_configs():
         if kind is Qwix:
             assert old.modes == new.modes
             assert quantization_scope(first, config) == quantization_scope(second, config)
-        elif kind is Decode:
+        elif kind in (Decode, Recorded):
             assert old == new
         else:
             assert old.config(config, *args) == new.config(config, *args), kind
@@ -539,6 +542,7 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "VocabTiling(self.vocab_tiling_config)",
         "Capabilities(quantization={'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}) -> "
         "Qwix(frozenset({'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}))",
+        "Capabilities(recorded=('linen',)) -> Recorded(('linen',))",
     ]
     assert first_edition_features(ToyLm()) == [
         "Capabilities(decode=True, decode_style='token') with decode_config -> "
@@ -583,18 +587,35 @@ def test_an_aux_losses_feature_is_checked_at_load():
         return type("Declaring", (MoeFamily,), {"features": lambda self: features})()
 
     assert problems(declaring(AuxLosses(()))) == [
-        "family 'moe' declares AuxLosses(names=()); give the sown names, a non-empty tuple "
-        "of strings"
+        "family 'moe' declares AuxLosses(names=()); give a non-empty tuple of strings"
     ]
     assert problems(declaring(AuxLosses("moe_lb_loss", config="on"))) == [
         "family 'moe' declares AuxLosses(config='on'), which is not callable as config(config)",
-        "family 'moe' declares AuxLosses(names='moe_lb_loss'); give the sown names, a "
-        "non-empty tuple of strings",
+        "family 'moe' declares AuxLosses(names='moe_lb_loss'); give a non-empty tuple of strings",
     ]
     overrides = type("Overrides", (MoeFamily,), {"aux_losses_config": lambda self, c: c})()
     assert problems(overrides) == [
         "family 'moe' overrides aux_losses_config, which its AuxLosses feature does not "
         "call: give AuxLosses(config=self.aux_losses_config), or drop the override"
+    ]
+
+
+def test_a_recorded_feature_is_checked_at_load():
+    def declaring(*features):
+        return type("Declaring", (Gpt3Family,), {"features": lambda self: features})()
+
+    assert problems(declaring(Recorded(()))) == [
+        "family 'gpt3' declares Recorded(backends=()); give a non-empty tuple of strings"
+    ]
+    assert problems(declaring(Recorded(("jax",), upgrade={}))) == [
+        "family 'gpt3' declares recorded references of ['jax']; backends: linen, nnx",
+        "family 'gpt3' declares Recorded(upgrade={}), which is not callable as "
+        "upgrade(leaves, versions)",
+    ]
+    overrides = type("Overrides", (Gpt3Family,), {"upgrade_reference": lambda s, x, v: x})()
+    assert problems(overrides) == [
+        "family 'gpt3' overrides upgrade_reference, which its Recorded feature does not call: "
+        "give Recorded(upgrade=self.upgrade_reference), or drop the override"
     ]
 
 

@@ -122,6 +122,10 @@ def _renamed(name: str) -> str:
 class Gpt3UpgradesOldName(Gpt3Family):
     """gpt3 whose reference came from a release that called its first MLP kernel ``fc1``."""
 
+    def features(self):
+        kept = tuple(f for f in super().features() if not isinstance(f, families.Recorded))
+        return (*kept, families.Recorded(("linen",), self.upgrade_reference))
+
     def upgrade_reference(self, leaves, versions):
         del versions
         return {path.replace(OLD_NAME, RENAMED): value for path, value in leaves.items()}

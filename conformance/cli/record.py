@@ -2,7 +2,7 @@
 
 Usage: ``python -m conformance.record [--family NAME ...] [--backend {linen,nnx}]
 [--goldens DIR] [--update]``. Each family (default: every registered family that
-declares ``Capabilities.recorded``) is run on one CPU device from each backend it
+declares ``Recorded`` references) is run on one CPU device from each backend it
 declares (or only ``--backend``), and its reference is written to
 ``<goldens>/references/<family>/<backend>/``, where ``<goldens>`` is the directory
 the family ships its own in (:attr:`~conformance.contract.Family.goldens`), else
@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
         "--family",
         action="append",
         default=[],
-        help="family to record (repeatable); default: every family declaring Capabilities.recorded",
+        help="family to record (repeatable); default: every family declaring Recorded",
     )
     cli.add_argument(
         "--backend",
@@ -69,14 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         families = (
             [contract.get(name) for name in args.family]
             if args.family
-            else [f for f in contract.registry().values() if f.capabilities.recorded]
+            else [f for f in contract.registry().values() if contract.recorded_backends(f)]
         )
     except contract.FamilyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     refused = 0
     for family in families:
-        declared = family.capabilities.recorded
+        declared = contract.recorded_backends(family)
         backends = declared if args.backend is None else (args.backend,)
         if not set(backends) <= set(declared):
             print(

@@ -166,6 +166,7 @@ def checkpoint_changes(family: Any, backend: str, references: Path) -> dict[str,
 
 def upgrade_of(family: Any, goldens: Path) -> dict[str, Any]:
     """The release-upgrade section of ``family`` (see the module)."""
+    from conformance.contract import recorded_backends
     from conformance.core.references import references_root
 
     changed, same = golden_changes(goldens, family.name, family.release)
@@ -176,7 +177,7 @@ def upgrade_of(family: Any, goldens: Path) -> dict[str, Any]:
         "goldens": changed,
         "unchanged_goldens": same,
         "checkpoints": [
-            checkpoint_changes(family, backend, root) for backend in family.capabilities.recorded
+            checkpoint_changes(family, backend, root) for backend in recorded_backends(family)
         ],
     }
 

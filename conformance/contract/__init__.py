@@ -9,9 +9,11 @@ from conformance.contract.declared import (
     first_edition_features,
     quantization_modes,
     quantization_scope,
+    recorded_backends,
     required,
     spelling,
     supports,
+    upgrade_reference,
 )
 from conformance.contract.discovery import (
     DISTRIBUTION,
@@ -31,6 +33,7 @@ from conformance.contract.features import (
     Feature,
     Fp8,
     Qwix,
+    Recorded,
     Remat,
     VocabTiling,
 )
@@ -77,6 +80,7 @@ __all__ = [
     "PathRules",
     "QuantScope",
     "Qwix",
+    "Recorded",
     "Remat",
     "VocabTiling",
     "aux_losses",
@@ -88,10 +92,12 @@ __all__ = [
     "problems",
     "quantization_modes",
     "quantization_scope",
+    "recorded_backends",
     "registry",
     "required",
     "select",
     "spelling",
     "supports",
+    "upgrade_reference",
     "validate",
 ]

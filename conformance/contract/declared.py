@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from conformance.contract.family import Family
@@ -22,6 +22,7 @@ from conformance.contract.features import (
     Feature,
     Fp8,
     Qwix,
+    Recorded,
     Remat,
     VocabTiling,
 )
@@ -112,6 +113,36 @@ def aux_losses(family: Family) -> tuple[str, ...]:
     return () if found is None else tuple(found.names)
 
 
+def _first_edition_recorded(family: Family) -> Recorded | None:
+    """``Capabilities(recorded=backends)`` and ``upgrade_reference``, as a Recorded."""
+    backends = tuple(family.capabilities.recorded)
+    own = type(family).upgrade_reference is Family.upgrade_reference
+    return Recorded(backends, None if own else family.upgrade_reference) if backends else None
+
+
+def _recorded_spellings(family: Family) -> tuple[str, str]:
+    backends = tuple(family.capabilities.recorded)
+    if type(family).upgrade_reference is Family.upgrade_reference:
+        return f"Capabilities(recorded={backends!r})", f"Recorded({backends!r})"
+    old = f"Capabilities(recorded={backends!r}) with upgrade_reference"
+    return old, f"Recorded({backends!r}, self.upgrade_reference)"
+
+
+def recorded_backends(family: Family) -> tuple[str, ...]:
+    """The backends whose recorded reference ``family`` keeps (:class:`Recorded`); maybe none."""
+    found = declared(family, Recorded)
+    return () if found is None else tuple(found.backends)
+
+
+def upgrade_reference(
+    family: Family, leaves: Mapping[str, Any], versions: Mapping[str, str]
+) -> dict[str, Any]:
+    """``leaves`` of a reference recorded with ``versions``, made current by ``family``."""
+    found = declared(family, Recorded)
+    upgrade = None if found is None else found.upgrade
+    return dict(leaves) if upgrade is None else upgrade(leaves, versions)
+
+
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:
     return lambda family: (old, new)
 
@@ -149,6 +180,7 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
     ),
     Qwix: _FirstEdition(_first_edition_qwix, _qwix_spellings),
     AuxLosses: _FirstEdition(_first_edition_aux_losses, _aux_losses_spellings),
+    Recorded: _FirstEdition(_first_edition_recorded, _recorded_spellings),
 }
 """Each feature's first-edition spelling: read into the feature's value, and respelt."""
 

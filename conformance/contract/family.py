@@ -179,7 +179,8 @@ class Family(abc.ABC):
         cache, in place of ``Capabilities(decode=True, decode_style=...)`` and
         :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
         carry the config hook their ``Capabilities`` flag needed, ``Qwix`` the modes and
-        the scope, ``AuxLosses`` the sown names and the config that turns them on.
+        the scope, ``AuxLosses`` the sown names and the config that turns them on,
+        ``Recorded`` the recorded backends and the upgrade of old references.
         Declaring an ability in both spellings is a load error. None by default.
         """
         return ()
@@ -201,9 +202,9 @@ class Family(abc.ABC):
         """Return the Linen module for ``config``.
 
         A family whose Linen implementation was deleted does not define it, and declares
-        the references recorded while it existed (:attr:`Capabilities.recorded`): its NNX
-        side is then compared with those and with its goldens, and every check that
-        needs a live Linen side skips saying so (see :attr:`has_linen`).
+        the references recorded while it existed (a :class:`~conformance.contract.Recorded`
+        feature): its NNX side is then compared with those and with its goldens, and every
+        check that needs a live Linen side skips saying so (see :attr:`has_linen`).
         """
         del config
         raise FamilyError(f"{self.name} has no Linen module (Family.linen_module is not defined)")
@@ -390,7 +391,8 @@ class Family(abc.ABC):
         "0.12.12", "maxtext": "0.2.4", ...}``). Return them keyed by this release's
         canonical paths, in its shapes: rename, move, reshape or drop the leaves a
         release changed. Every returned leaf must exist in the live model. Unchanged by
-        default.
+        default. First edition: the second declares ``Recorded(backends, upgrade)`` in
+        :meth:`features`.
         """
         del versions
         return dict(leaves)

@@ -12,7 +12,7 @@ ability still works: :func:`conformance.contract.declared` reads either.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from conformance.contract.values import QuantScope
@@ -219,3 +219,28 @@ class AuxLosses(Feature):
     config. ``None`` (the default): the family's own configs sow them, so every check
     trains them (and ``grad_accumulation`` skips: a loss computed from batch statistics
     need not add up over micro-batches)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded(Feature):
+    """Recorded references the family keeps (the ``recorded_*`` checks).
+
+    The first edition's ``Capabilities(recorded=backends)`` with
+    :meth:`Family.upgrade_reference`. Each backend's one-step run, recorded by ``python -m
+    conformance.record`` into the repository, is compared with each live backend, so a
+    backend that is gone (Linen, once deleted) stays a reference.
+    """
+
+    capability: ClassVar[str] = "recorded"
+    replaces: ClassVar[tuple[str, str] | None] = ("upgrade_reference", "upgrade")
+    optional: ClassVar[dict[str, str]] = {"upgrade": "upgrade(leaves, versions)"}
+    backends: tuple[str, ...]
+    """The recorded backends' ids (:class:`~conformance.contract.Backend` values or
+    ``"linen"``, ``"nnx"``), at least one."""
+    upgrade: Callable[[Mapping[str, Any], Mapping[str, str]], dict[str, Any]] | None = None
+    """``upgrade(leaves, versions)``: parameter-shaped leaves of a reference recorded with
+    ``versions`` (``{"flax": "0.12.12", "maxtext": "0.2.4", ...}``), keyed by the
+    canonical (NNX) paths of the release that recorded them, returned keyed by this
+    release's canonical paths in its shapes: rename, move, reshape or drop what a
+    release changed. Every returned leaf must exist in the live model. ``None`` (the
+    default): the leaves as recorded."""

@@ -11,8 +11,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from conformance.contract.declared import recorded_backends
 from conformance.contract.family import Family
-from conformance.contract.features import AuxLosses, CacheAsValue, Decode, Feature, Qwix
+from conformance.contract.features import (
+    AuxLosses,
+    CacheAsValue,
+    Decode,
+    Feature,
+    Qwix,
+    Recorded,
+)
 from conformance.contract.values import (
     BACKENDS,
     DECODE_STYLES,
@@ -67,19 +75,20 @@ def problems(family: Family) -> list[str]:
             f"family {name!r} declares quantization modes {unknown}; known modes: "
             f"{', '.join(QUANTIZATION_MODES)}"
         )
-    if unknown := sorted(set(caps.recorded) - set(BACKENDS)):
+    recorded = recorded_backends(family)
+    if unknown := sorted(set(recorded) - set(BACKENDS)):
         found.append(
             f"family {name!r} declares recorded references of {unknown}; backends: "
             f"{', '.join(BACKENDS)}"
         )
     found += _features(family)
-    found += _aux_losses(family)
+    found += _names(family)
     found += _decoding(family)
     found += _divergences(family)
-    if not family.has_linen and not caps.recorded:
+    if not family.has_linen and not recorded:
         found.append(
             f"family {name!r} defines no linen_module and declares no recorded reference "
-            "(Capabilities.recorded): its NNX side has nothing to be compared with"
+            "(Recorded in features()): its NNX side has nothing to be compared with"
         )
     if family.goldens is not None and not Path(family.goldens).is_absolute():
         found.append(
@@ -178,18 +187,21 @@ def _features(family: Family) -> list[str]:
     return found
 
 
-def _aux_losses(family: Family) -> list[str]:
-    """An :class:`AuxLosses` feature naming no loss, or a name that is not a string."""
-    typed = [feature for feature in family.features() if isinstance(feature, AuxLosses)]
-    if not typed:
-        return []
-    names = typed[0].names
-    if isinstance(names, tuple) and names and all(isinstance(n, str) for n in names):
-        return []
-    return [
-        f"family {family.name!r} declares AuxLosses(names={names!r}); give the sown names, "
-        "a non-empty tuple of strings"
-    ]
+def _names(family: Family) -> list[str]:
+    """A feature whose names (:class:`AuxLosses`' or :class:`Recorded`'s) are none or no strings."""
+    found = []
+    for feature in family.features():
+        if not isinstance(feature, AuxLosses | Recorded):
+            continue
+        field = "names" if isinstance(feature, AuxLosses) else "backends"
+        names = getattr(feature, field)
+        if isinstance(names, tuple) and names and all(isinstance(n, str) for n in names):
+            continue
+        found.append(
+            f"family {family.name!r} declares {type(feature).__name__}({field}={names!r}); "
+            "give a non-empty tuple of strings"
+        )
+    return found
 
 
 def _ignored_override(family: Family, feature: Feature) -> list[str]:

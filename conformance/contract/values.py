@@ -214,9 +214,9 @@ class Capabilities:
     edition: the second declares :class:`~conformance.contract.AuxLosses` in
     :meth:`Family.features`, which says what the harness does with them."""
     recorded: tuple[str, ...] = ()
-    """Backends (``"linen"``, ``"nnx"``) whose recorded reference the family keeps in the
-    repository (``python -m conformance.record``): the ``recorded_*`` checks compare each
-    live backend with each, so a backend that is gone stays a reference."""
+    """Backends (``"linen"``, ``"nnx"``) whose recorded reference the family keeps. First
+    edition: the second declares :class:`~conformance.contract.Recorded` in
+    :meth:`Family.features`."""
 
     @property
     def preferred_scan_layers(self) -> bool:

@@ -24,7 +24,14 @@ from conformance.checks.registry import (
     Param,
     expected_failure,
 )
-from conformance.contract import Backend, Family, quantization_modes, spelling, supports
+from conformance.contract import (
+    Backend,
+    Family,
+    quantization_modes,
+    recorded_backends,
+    spelling,
+    supports,
+)
 from conformance.core.references import MANIFEST, directory, references_root
 from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import compiles
@@ -174,7 +181,7 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "dtype":
             return list(DTYPES.items())
         case "recorded":
-            backends = family.capabilities.recorded
+            backends = recorded_backends(family)
             return [(f"recorded-{b}", b) for b in backends] or [("recorded-none", None)]
         case "quant":
             modes = [
@@ -247,7 +254,7 @@ def skip_reason(planned: Planned) -> str | None:
         )
         return _because(family, reason, check.name)
     if "recorded" in planned.values and planned.values["recorded"] is None:
-        reason = f"{family.name} keeps no recorded reference (Capabilities.recorded)"
+        reason = f"{family.name} keeps no recorded reference (Recorded in features())"
         return _because(family, reason, "recorded")
     params = planned.params.values()
     for layout in (*[s for p in params for s in p.layouts], *check.layouts):

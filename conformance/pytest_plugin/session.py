@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from conformance import contract
-from conformance.contract import Family
+from conformance.contract import Family, recorded_backends
 from conformance.core import distributed, programs
 from conformance.core.environment import (
     configure_host_platform,
@@ -193,7 +193,7 @@ class Settings:
         live = " and ".join(side.name for side in SIDES.values())
         found = []
         for family in self.families:
-            for backend in family.capabilities.recorded:
+            for backend in recorded_backends(family):
                 try:
                     reference = load(family, backend, references_root(self.goldens.of(family)))
                 except MissingReference:

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.contract import Batch, Family
+from conformance.contract import Batch, Family, upgrade_reference
 from conformance.core.environment import library_versions
 from conformance.core.references import Reference, ReferenceError, directory, read
 from conformance.core.trees import Flat
@@ -79,7 +79,7 @@ class RecordedSide:
         ]
 
     def _upgraded(self, leaves: Flat) -> Flat:
-        return self.family.upgrade_reference(leaves, self.versions)
+        return upgrade_reference(self.family, leaves, self.versions)
 
     @functools.cached_property
     def _param_paths(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from conformance.families import (
     QUANTIZATION_MODES,
     Aqt,
     AuxLosses,
+    Backend,
     Batch,
     Capabilities,
     Decode,
@@ -41,6 +42,7 @@ from conformance.families import (
     PathRules,
     QuantScope,
     Qwix,
+    Recorded,
     Remat,
     VocabTiling,
 )
@@ -66,10 +68,8 @@ class MaxTextFamily(Family):
     production: ClassVar[Mapping[str, Mapping[str, Any]]] = MappingProxyType({})
     """Keys a production size's workload sets on top of its yml (none by default)."""
 
-    capabilities = Capabilities(
-        scan_layers=(True, False),  # MaxText's default is scanned layers: smoke runs those
-        recorded=("linen", "nnx"),  # maxtext 0.2.4's two implementations
-    )
+    # MaxText's default is scanned layers: smoke runs those.
+    capabilities = Capabilities(scan_layers=(True, False))
     train_rngs = ("dropout",)
 
     divergences: ClassVar[Mapping[str, tuple[Divergence, ...]]] = MappingProxyType({})
@@ -88,6 +88,9 @@ class MaxTextFamily(Family):
             Fp8(self.fp8_config),
             VocabTiling(self.vocab_tiling_config),
             Qwix(frozenset(QUANTIZATION_MODES), self.quantization_scope),
+            # maxtext 0.2.4's two implementations, read by later releases through the
+            # version map.
+            Recorded((Backend.LINEN, Backend.NNX), self.upgrade_reference),
         )
 
     def unavailable(self) -> str | None:

@@ -25,7 +25,7 @@ class MoeFamily(TransformerFamily):
 
     name = "moe"
     capabilities = Capabilities()
-    """No recorded reference, and one layer layout (``unsupported`` says why)."""
+    """One layer layout (``unsupported`` says why)."""
     train_rngs = ()
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "kept small: one layer layout, a Python list of blocks"}
