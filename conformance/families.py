@@ -15,6 +15,7 @@ from conformance.contract import (
     AuxLosses,
     Backend,
     Batch,
+    Bridges,
     CacheAsValue,
     Capabilities,
     Decode,
@@ -30,12 +31,14 @@ from conformance.contract import (
     QuantScope,
     Qwix,
     Recorded,
+    Release,
     Remat,
     VocabTiling,
     builtin,
     get,
     registry,
     select,
+    with_features,
 )
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "AuxLosses",
     "Backend",
     "Batch",
+    "Bridges",
     "CacheAsValue",
     "Capabilities",
     "Decode",
@@ -63,10 +67,12 @@ __all__ = [
     "QuantScope",
     "Qwix",
     "Recorded",
+    "Release",
     "Remat",
     "VocabTiling",
     "builtin",
     "get",
     "registry",
     "select",
+    "with_features",
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from conformance.families import (
     Aqt,
     Backend,
     Batch,
+    Bridges,
     Capabilities,
     Decode,
     Dropout,
@@ -45,14 +45,13 @@ class TransformerFamily(Family):
 
     capabilities = Capabilities(scan_layers=(False, True))
     train_rngs = ("dropout",)
-    expected_bridges = MappingProxyType({"linen": 0, "nnx": 0})
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
     linen_decoder: ClassVar[type[nn.Module]]
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix and Linen's recording.
+        """Decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix, recorded Linen, no bridge.
 
         Decoding takes the ``mode`` keyword, through caches the models hold.
         """
@@ -67,6 +66,7 @@ class TransformerFamily(Family):
                 frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}), self.quantization_scope
             ),
             Recorded((Backend.LINEN,)),
+            Bridges(linen=0, nnx=0),
         )
 
     def config(

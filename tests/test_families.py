@@ -22,6 +22,7 @@ from conformance.contract import (
     first_edition_features,
     problems,
     quantization_scope,
+    release,
     required,
     supports,
     validate,
@@ -32,6 +33,7 @@ from conformance.core.sharding import parse_mesh
 from conformance.families import (
     Aqt,
     AuxLosses,
+    Bridges,
     Capabilities,
     Decode,
     Divergence,
@@ -42,6 +44,7 @@ from conformance.families import (
     Fp8,
     Qwix,
     Recorded,
+    Release,
     Remat,
     VocabTiling,
 )
@@ -313,6 +316,7 @@ class FirstEdition(Gpt3Family):
         quantization=frozenset({"qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8"}),
         recorded=("linen",),
     )
+    expected_bridges = MappingProxyType({"linen": 0, "nnx": 0})
 
     def variant(self, config, *, remat=False, dropout=0.0):
         return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
@@ -491,6 +495,7 @@ def test_both_editions_give_the_same_feature_configs():
         (Decode, ()),
         (Qwix, ()),
         (Recorded, ()),
+        (Bridges, ()),
     ]:
         old, new = required(first, kind), required(second, kind)
         assert supports(first, kind.capability)
@@ -498,7 +503,7 @@ def test_both_editions_give_the_same_feature_configs():
         if kind is Qwix:
             assert old.modes == new.modes
             assert quantization_scope(first, config) == quantization_scope(second, config)
-        elif kind in (Decode, Recorded):
+        elif kind in (Decode, Recorded, Bridges):
             assert old == new
         else:
             assert old.config(config, *args) == new.config(config, *args), kind
@@ -515,7 +520,7 @@ class Twice(Gpt3Family):
 def test_features_are_checked_at_load():
     assert problems(Twice()) == [
         "family 'twice' declares remat twice, as Remat(...) in features() and as "
-        "Capabilities(remat=True): keep the Remat feature",
+        "Capabilities(remat=True) with variant(config, remat=True): keep the Remat feature",
         "family 'twice' lists Aqt twice in features(); give one",
         "family 'twice' declares Aqt(config=None), which is not callable as config(config, mode)",
         "family 'twice' overrides aqt_config, which its Aqt feature does not call: give "
@@ -543,6 +548,7 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "Capabilities(quantization={'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}) -> "
         "Qwix(frozenset({'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}))",
         "Capabilities(recorded=('linen',)) -> Recorded(('linen',))",
+        "expected_bridges={'linen': 0, 'nnx': 0} -> Bridges(linen=0, nnx=0)",
     ]
     assert first_edition_features(ToyLm()) == [
         "Capabilities(decode=True, decode_style='token') with decode_config -> "
@@ -616,6 +622,36 @@ def test_a_recorded_feature_is_checked_at_load():
     assert problems(overrides) == [
         "family 'gpt3' overrides upgrade_reference, which its Recorded feature does not call: "
         "give Recorded(upgrade=self.upgrade_reference), or drop the override"
+    ]
+
+
+class PerRelease(Gpt3Family):
+    """gpt3 keeping its goldens per release, in the first edition's spelling."""
+
+    release = "1.0"
+    expected_bridges = MappingProxyType({"linen": 1, "nnx": 0})
+
+
+def test_bridges_and_a_release_are_read_from_either_edition_and_checked():
+    assert release(Gpt3Family()) is None
+    assert problems(PerRelease()) == [
+        "family 'gpt3' declares bridges twice, as Bridges(...) in features() and as "
+        "expected_bridges={'linen': 1, 'nnx': 0}: keep the Bridges feature"
+    ]
+    first = type("First", (PerRelease,), {"features": lambda self: ()})()
+    assert (release(first), declared(first, Bridges)) == ("1.0", Bridges(linen=1))
+    assert first_edition_features(first) == [
+        "expected_bridges={'linen': 1, 'nnx': 0} -> Bridges(linen=1, nnx=0)",
+        "release='1.0' -> Release('1.0')",
+    ]
+    second = type("Second", (Gpt3Family,), {"features": lambda self: (Release("1.0"),)})()
+    assert release(second) == "1.0"
+    assert declared(second, Bridges) is None
+    wrong = type("Wrong", (Gpt3Family,), {"features": lambda self: (Bridges(linen=-1),)})()
+    assert problems(wrong) == ["family 'gpt3' declares Bridges(linen=-1); give a count of modules"]
+    misspelt = type("Misspelt", (type(first),), {"expected_bridges": {"jax": 1}})()
+    assert problems(misspelt) == [
+        "family 'gpt3' declares expected_bridges for ['jax']; backends: linen, nnx"
     ]
 
 

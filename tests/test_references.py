@@ -123,8 +123,8 @@ class Gpt3UpgradesOldName(Gpt3Family):
     """gpt3 whose reference came from a release that called its first MLP kernel ``fc1``."""
 
     def features(self):
-        kept = tuple(f for f in super().features() if not isinstance(f, families.Recorded))
-        return (*kept, families.Recorded(("linen",), self.upgrade_reference))
+        upgrading = families.Recorded(("linen",), self.upgrade_reference)
+        return families.with_features(super().features(), upgrading)
 
     def upgrade_reference(self, leaves, versions):
         del versions

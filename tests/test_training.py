@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from conformance import families
-from conformance.contract import AuxLosses
+from conformance.contract import AuxLosses, Bridges, with_features
 from conformance.core.sharding import parse_mesh
 from conformance.runtime.objective import target_weights
 from conformance.runtime.train_state import flat_state, step_streams
@@ -119,7 +119,9 @@ class CounterBridgedToLinen(LlamaFamily):
     the model holds a declared persistent counter beside its parameters."""
 
     persistent_state = (nnx.BatchStat,)
-    expected_bridges = None
+
+    def features(self):
+        return with_features(super().features(), Bridges(linen=1, nnx=0))
 
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import agreed_specs, misplaced, param_map
-from conformance.contract import Backend, Family
+from conformance.contract import Backend, Bridges, Family, declared, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
@@ -28,9 +28,9 @@ INIT_Z = 6.0
 
 
 def _declares_bridges(family: Family) -> str | None:
-    """Why ``family`` cannot run ``provenance``: it declares no ``expected_bridges``."""
-    if family.expected_bridges is None:
-        return f"{family.name} declares no expected_bridges (Family.expected_bridges)"
+    """Why ``family`` cannot run ``provenance``: it declares no :class:`Bridges`."""
+    if declared(family, Bridges) is None:
+        return f"{family.name} declares no bridged module counts (Bridges in features())"
     return None
 
 
@@ -78,19 +78,19 @@ SIDE_BRIDGE = {Backend.LINEN: "ToLinen", Backend.NNX: "ToNNX"}
     requires=_declares_bridges,
 )
 def check_provenance(case: Case) -> None:
-    """Each side runs as many bridged modules as the family declares (``expected_bridges``).
+    """Each side runs as many bridged modules as the family declares (:class:`Bridges`).
 
     Counted in the models the other checks build (no extra trace): ``ToLinen`` modules in
     the Linen model, ``ToNNX`` modules in the NNX model. A side with more than declared
     runs the other backend's code, so agreeing numbers would compare a backend with
     itself.
     """
-    expected = case.family.expected_bridges or {}
+    expected = required(case.family, Bridges)
     problems = []
     for side in live_sides(case):
         kind = SIDE_BRIDGE[side.backend]
         built = side.runner.built
-        found, want = built.bridged.get(kind, 0), expected.get(side.backend, 0)
+        found, want = built.bridged.get(kind, 0), expected.count(side.backend)
         if found != want:
             why = " (it runs the other backend's code)" if found > want else ""
             problems.append(

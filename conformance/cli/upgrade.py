@@ -2,7 +2,7 @@
 
 Usage: ``python -m conformance.upgrade [--family PATTERN ...] [--goldens DIR] [--report
 DIR]``. For each selected family that keeps its goldens per release
-(``Family.release``; MaxText's families) and can run here:
+(a ``Release`` feature; MaxText's families) and can run here:
 
 * **goldens**: every golden of each earlier release's folder against the installed
   release's, leaf by leaf (structure, sharding, cost, ...);
@@ -166,14 +166,14 @@ def checkpoint_changes(family: Any, backend: str, references: Path) -> dict[str,
 
 def upgrade_of(family: Any, goldens: Path) -> dict[str, Any]:
     """The release-upgrade section of ``family`` (see the module)."""
-    from conformance.contract import recorded_backends
+    from conformance.contract import recorded_backends, release
     from conformance.core.references import references_root
 
-    changed, same = golden_changes(goldens, family.name, family.release)
+    changed, same = golden_changes(goldens, family.name, release(family))
     root = references_root(goldens)
     return {
         "family": family.name,
-        "release": family.release,
+        "release": release(family),
         "goldens": changed,
         "unchanged_goldens": same,
         "checkpoints": [
@@ -204,10 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         print(f"error: named families cannot run here: {'; '.join(cannot)}", file=sys.stderr)
         return 2
-    families = [f for f in selected if f.unavailable() is None and f.release is not None]
+    families = [f for f in selected if f.unavailable() is None and contract.release(f)]
     if not families:
         print(
-            "error: no selected family keeps its goldens per release (Family.release) here",
+            "error: no selected family keeps its goldens per release (a Release feature) here",
             file=sys.stderr,
         )
         return 2

@@ -17,12 +17,14 @@ from conformance.contract.family import Family
 from conformance.contract.features import (
     Aqt,
     AuxLosses,
+    Bridges,
     Decode,
     Dropout,
     Feature,
     Fp8,
     Qwix,
     Recorded,
+    Release,
     Remat,
     VocabTiling,
 )
@@ -143,6 +145,31 @@ def upgrade_reference(
     return dict(leaves) if upgrade is None else upgrade(leaves, versions)
 
 
+def _first_edition_bridges(family: Family) -> Bridges | None:
+    """:attr:`Family.expected_bridges`, as a Bridges."""
+    expected = family.expected_bridges
+    if expected is None:
+        return None
+    return Bridges(linen=expected.get("linen", 0), nnx=expected.get("nnx", 0))
+
+
+def _bridges_spellings(family: Family) -> tuple[str, str]:
+    expected = dict(family.expected_bridges or {})
+    counts = ", ".join(f"{side}={count}" for side, count in expected.items())
+    return f"expected_bridges={expected!r}", f"Bridges({counts})"
+
+
+def _first_edition_release(family: Family) -> Release | None:
+    """:attr:`Family.release`, as a Release."""
+    return None if family.release is None else Release(family.release)
+
+
+def release(family: Family) -> str | None:
+    """The release whose goldens ``family`` runs (:class:`Release`), or ``None``."""
+    found = declared(family, Release)
+    return None if found is None else found.name
+
+
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:
     return lambda family: (old, new)
 
@@ -181,6 +208,11 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
     Qwix: _FirstEdition(_first_edition_qwix, _qwix_spellings),
     AuxLosses: _FirstEdition(_first_edition_aux_losses, _aux_losses_spellings),
     Recorded: _FirstEdition(_first_edition_recorded, _recorded_spellings),
+    Bridges: _FirstEdition(_first_edition_bridges, _bridges_spellings),
+    Release: _FirstEdition(
+        _first_edition_release,
+        lambda family: (f"release={family.release!r}", f"Release({family.release!r})"),
+    ),
 }
 """Each feature's first-edition spelling: read into the feature's value, and respelt."""
 
@@ -190,6 +222,11 @@ def declared[F: Feature](family: Family, kind: type[F]) -> F | None:
     for feature in family.features():
         if isinstance(feature, kind):
             return feature
+    return first_edition(family, kind)
+
+
+def first_edition[F: Feature](family: Family, kind: type[F]) -> F | None:
+    """``family``'s feature of type ``kind`` as its first-edition spelling declares it."""
     first = FIRST_EDITION.get(kind)
     return None if first is None else first.read(family)
 
@@ -204,7 +241,7 @@ def first_edition_features(family: Family) -> list[str]:
     return [
         "{} -> {}".format(*edition.spelt(family))
         for kind, edition in FIRST_EDITION.items()
-        if kind not in typed and getattr(family.capabilities, kind.capability)
+        if kind not in typed and edition.read(family) is not None
     ]
 
 
@@ -217,9 +254,13 @@ def required[F: Feature](family: Family, kind: type[F]) -> F:
 
 
 def supports(family: Family, capability: str) -> bool:
-    """Whether ``family`` has the ability named ``capability``, by feature or by flag."""
-    typed = any(feature.capability == capability for feature in family.features())
-    return typed or bool(getattr(family.capabilities, capability, False))
+    """Whether ``family`` has the ability named ``capability``, however spelt."""
+    if any(feature.capability == capability for feature in family.features()):
+        return True
+    kinds = [kind for kind in FIRST_EDITION if kind.capability == capability]
+    if kinds:
+        return first_edition(family, kinds[0]) is not None
+    return bool(getattr(family.capabilities, capability, False))
 
 
 def spelling(capability: str) -> str:

@@ -139,20 +139,13 @@ class Family(abc.ABC):
 
     expected_bridges: Mapping[str, int] | None = None
     """How many modules each side runs through a bridge from the other backend, by
-    backend id: ``{"linen": n, "nnx": m}`` counts ``ToLinen`` modules (NNX code) in the
-    Linen model and ``ToNNX`` modules (Linen code) in the NNX model, in the base config.
-    The ``provenance`` check fails when a side builds another count: a side silently
-    running the other backend's code (MaxText's HLO test kept compiling Linen after NNX
-    became its default). ``None``: not declared (the check skips; the header still says
-    what each side built)."""
+    backend id (``{"linen": n, "nnx": m}``); ``None``: not declared. First edition: the
+    second declares :class:`~conformance.contract.Bridges` in :meth:`features`."""
 
     release: str | None = None
     """The release of the model code the family runs, when its goldens differ between
-    releases (a zoo gated release against release, such as MaxText 0.2.4 and 0.2.5):
-    its goldens then live at ``goldens/<family>/<release>/<check>/...``, one folder per
-    release, and a run claims only its own release's. ``None`` (the default): goldens at
-    ``goldens/<family>/<check>/...``. Recorded references are not kept per release: a
-    later release is compared with what an earlier one recorded."""
+    releases; ``None``: goldens not kept per release. First edition: the second declares
+    :class:`~conformance.contract.Release` in :meth:`features`."""
 
     goldens: Path | None = None
     """The directory holding this family's goldens and recorded references, for a family
@@ -180,7 +173,8 @@ class Family(abc.ABC):
         :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
         carry the config hook their ``Capabilities`` flag needed, ``Qwix`` the modes and
         the scope, ``AuxLosses`` the sown names and the config that turns them on,
-        ``Recorded`` the recorded backends and the upgrade of old references.
+        ``Recorded`` the recorded backends and the upgrade of old references,
+        ``Bridges`` the bridged module counts, ``Release`` the release goldens are kept by.
         Declaring an ability in both spellings is a load error. None by default.
         """
         return ()

@@ -12,10 +12,10 @@ ability still works: :func:`conformance.contract.declared` reads either.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from conformance.contract.values import QuantScope
+from conformance.contract.values import Backend, QuantScope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,3 +244,52 @@ class Recorded(Feature):
     release's canonical paths in its shapes: rename, move, reshape or drop what a
     release changed. Every returned leaf must exist in the live model. ``None`` (the
     default): the leaves as recorded."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Bridges(Feature):
+    """How many modules each side runs through a bridge from the other backend.
+
+    The first edition's :attr:`Family.expected_bridges`. The ``provenance`` check counts
+    ``ToLinen`` modules (NNX code) in the Linen model and ``ToNNX`` modules (Linen code)
+    in the NNX model, in the base config, and fails when a side builds another count: a
+    side silently running the other backend's code (MaxText's HLO test kept compiling
+    Linen after NNX became its default). Without it, ``provenance`` skips (the run's
+    header still says what each side built).
+    """
+
+    capability: ClassVar[str] = "bridges"
+    linen: int = 0
+    """``ToLinen`` modules in the Linen model."""
+    nnx: int = 0
+    """``ToNNX`` modules in the NNX model."""
+
+    def count(self, backend: Backend) -> int:
+        """The modules ``backend``'s model runs through a bridge."""
+        return self.linen if Backend(backend) is Backend.LINEN else self.nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Release(Feature):
+    """The release of the model code the family runs, when its goldens differ by release.
+
+    The first edition's :attr:`Family.release`. A zoo gated release against release
+    (MaxText 0.2.4 and 0.2.5) keeps its goldens at ``goldens/<family>/<release>/<check>/``,
+    one folder per release, and a run claims only its own release's; ``python -m
+    conformance.upgrade`` compares the folders. Without it, goldens live at
+    ``goldens/<family>/<check>/``. Recorded references are not kept per release: a later
+    release is compared with what an earlier one recorded.
+    """
+
+    capability: ClassVar[str] = "release"
+    name: str
+    """The release, a folder name (``"0.2.5"``)."""
+
+
+def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
+    """``base`` with each of ``new`` in place of the feature of its kind (added if none).
+
+    For a family refining its parent's: ``with_features(super().features(), Bridges(linen=1))``.
+    """
+    kinds = {type(feature) for feature in new}
+    return (*(feature for feature in base if type(feature) not in kinds), *new)

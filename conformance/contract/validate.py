@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from conformance.contract.declared import recorded_backends
+from conformance.contract.declared import FIRST_EDITION, declared, first_edition, recorded_backends
 from conformance.contract.family import Family
 from conformance.contract.features import (
     AuxLosses,
+    Bridges,
     CacheAsValue,
     Decode,
     Feature,
@@ -83,6 +84,7 @@ def problems(family: Family) -> list[str]:
         )
     found += _features(family)
     found += _names(family)
+    found += _bridges(family)
     found += _decoding(family)
     found += _divergences(family)
     if not family.has_linen and not recorded:
@@ -154,8 +156,8 @@ def _decoding(family: Family) -> list[str]:
 def _features(family: Family) -> list[str]:
     """What is wrong with ``family``'s :meth:`~Family.features`, whatever their kind.
 
-    An entry that is no feature, a feature listed twice or also declared by its first
-    edition's ``Capabilities`` flag, and a hook that is not callable.
+    An entry that is no feature, a feature listed twice or also declared in the first
+    edition's spelling, and a hook that is not callable.
     """
     name, found = family.name, []
     kinds: dict[type, int] = {}
@@ -170,11 +172,11 @@ def _features(family: Family) -> list[str]:
         kinds[kind] = kinds.get(kind, 0) + 1
         if kinds[kind] == 2:
             found.append(f"family {name!r} lists {kind.__name__} twice in features(); give one")
-        if kinds[kind] == 1 and getattr(family.capabilities, feature.capability, False):
+        if kinds[kind] == 1 and first_edition(family, kind) is not None:
+            old = FIRST_EDITION[kind].spelt(family)[0]
             found.append(
                 f"family {name!r} declares {feature.capability} twice, as {kind.__name__}(...) "
-                f"in features() and as Capabilities({feature.capability}=True): keep the "
-                f"{kind.__name__} feature"
+                f"in features() and as {old}: keep the {kind.__name__} feature"
             )
         optional = {f: c for f, c in feature.optional.items() if getattr(feature, f) is not None}
         found += [
@@ -202,6 +204,23 @@ def _names(family: Family) -> list[str]:
             "give a non-empty tuple of strings"
         )
     return found
+
+
+def _bridges(family: Family) -> list[str]:
+    """Bridge counts that are not counts, or first-edition ones keyed by no backend."""
+    expected = family.expected_bridges
+    if expected is not None and (unknown := sorted(set(expected) - set(BACKENDS))):
+        return [
+            f"family {family.name!r} declares expected_bridges for {unknown}; backends: "
+            f"{', '.join(BACKENDS)}"
+        ]
+    found = declared(family, Bridges)
+    counts = {} if found is None else {"linen": found.linen, "nnx": found.nnx}
+    return [
+        f"family {family.name!r} declares Bridges({side}={count!r}); give a count of modules"
+        for side, count in counts.items()
+        if not (isinstance(count, int) and count >= 0)
+    ]
 
 
 def _ignored_override(family: Family, feature: Feature) -> list[str]:

@@ -29,6 +29,7 @@ from conformance.contract import (
     Family,
     quantization_modes,
     recorded_backends,
+    release,
     spelling,
     supports,
 )
@@ -116,15 +117,15 @@ class Planned:
         ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``,
         one compiled for a TPU slice (axis ``tpu``) at
         ``<goldens>/<family>/<check>/libtpu-<version>-xla-full/<case>.json``;
-        a family with a :attr:`~conformance.contract.Family.release` keeps its goldens
-        in a folder of that release, ``<goldens>/<family>/<release>/<check>/...``.
+        a family with a :class:`~conformance.contract.Release` keeps its goldens in a
+        folder of that release, ``<goldens>/<family>/<release>/<check>/...``.
         """
         if not self.check.golden:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
         folder = self.root(run) / self.family.name
-        if self.family.release is not None:
-            folder /= self.family.release
+        if (name := release(self.family)) is not None:
+            folder /= name
         folder /= self.check.name
         if self.check.golden_by_platform:
             return folder / run.platform / f"{run.primary.id}-{case}.json"

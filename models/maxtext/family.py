@@ -30,6 +30,7 @@ from conformance.families import (
     AuxLosses,
     Backend,
     Batch,
+    Bridges,
     Capabilities,
     Decode,
     Divergence,
@@ -43,6 +44,7 @@ from conformance.families import (
     QuantScope,
     Qwix,
     Recorded,
+    Release,
     Remat,
     VocabTiling,
 )
@@ -50,6 +52,11 @@ from conformance_models import GOLDENS
 from conformance_models.data import make_batch
 from conformance_models.maxtext import releases
 from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
+
+
+def _installed() -> str | None:
+    """The installed maxtext release, if supported."""
+    return None if releases.unsupported() else releases.installed()
 
 
 class MaxTextFamily(Family):
@@ -78,9 +85,17 @@ class MaxTextFamily(Family):
     def features(self) -> Sequence[Feature]:
         """Prefill decoding, remat and dropout, AQT, FP8, vocab tiling and every Qwix mode.
 
-        Decoding is MaxText's ``model_mode``, through caches the models hold.
+        Decoding is MaxText's ``model_mode``, through caches the models hold. The installed
+        release, when supported, keeps its own goldens (:class:`Release`); from 0.2.5 the
+        Linen side is one ``ToLinen`` around the whole NNX model (:class:`Bridges`), while
+        0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
         """
+        installed = _installed()
+        per_release = () if installed is None else (Release(installed),)
+        bridged = (Bridges(linen=1, nnx=0),) if releases.bridged() else ()
         return (
+            *per_release,
+            *bridged,
             Decode(),
             Remat(self.remat_config),
             Dropout(self.dropout_config),
@@ -98,14 +113,9 @@ class MaxTextFamily(Family):
         return releases.unsupported()
 
     @property
-    def release(self) -> str | None:  # type: ignore[override]
-        """The installed maxtext release (goldens are kept per release), if supported."""
-        return None if releases.unsupported() else releases.installed()
-
-    @property
     def known_divergences(self) -> tuple[Divergence, ...]:  # type: ignore[override]
         """The installed release's known divergences (:attr:`divergences`)."""
-        return self.divergences.get(self.release or "", ())
+        return self.divergences.get(_installed() or "", ())
 
     def upgrade_reference(
         self, leaves: Mapping[str, Any], versions: Mapping[str, str]
@@ -131,14 +141,6 @@ class MaxTextFamily(Family):
         from maxtext.layers.moe import MoEBiasVar
 
         return (MoEBiasVar,)
-
-    @property
-    def expected_bridges(self) -> Mapping[str, int] | None:  # type: ignore[override]
-        """Bridged modules by side: from 0.2.5, Linen is one ``ToLinen`` (the whole model).
-
-        0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
-        """
-        return {"linen": 1, "nnx": 0} if releases.bridged() else None
 
     def config(
         self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import AuxLosses, Capabilities, Feature, LogicalRules
+from conformance.families import AuxLosses, Bridges, Capabilities, Feature, LogicalRules
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -32,8 +32,8 @@ class MoeFamily(TransformerFamily):
     )
 
     def features(self) -> Sequence[Feature]:
-        """Its load-balancing loss; unlike the other transformers, moe does not decode."""
-        return (AuxLosses((AUX_LOSS,)),)
+        """Its load-balancing loss and no bridge; unlike the other transformers, no decoding."""
+        return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0))
 
     base_configs: ClassVar[dict[str, MoeConfig]] = {
         "tiny": MoeConfig(
