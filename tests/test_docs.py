@@ -6,10 +6,13 @@ hold the hand-written pages to the same names, and the README to its links.
 """
 
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
 from conformance.checks.registry import BUILTIN
+from conformance.contract import Feature
+from conformance.contract import features as typed
 from conformance.pytest_plugin.options import OPTIONS
 
 ROOT = Path(__file__).parents[1]
@@ -45,6 +48,18 @@ def test_the_generated_tables_hold_every_check_and_option():
     checks, options = tables.checks_table(), tables.options_table()
     assert not [name for name in BUILTIN if f"| `{name}` |" not in checks]
     assert not [o.flag for o in OPTIONS if f"| `{o.flag}` |" not in options]
+
+
+def test_the_features_table_holds_every_feature_with_its_first_edition():
+    table = _tables().features_table()
+    kinds = [kind for kind in vars(typed).values() if _is_feature(kind)]
+    assert not [kind.__name__ for kind in kinds if f"| `{kind.__name__}(" not in table]
+    paragraphs = [inspect.getdoc(kind).split("\n\n") for kind in kinds]
+    assert all(len(p) > 1 and p[1].startswith("The first edition's") for p in paragraphs)
+
+
+def _is_feature(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, Feature) and value is not Feature
 
 
 def test_the_pages_name_only_options_that_exist():

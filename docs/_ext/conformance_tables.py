@@ -6,12 +6,15 @@ Sphinx calls :func:`setup`; on ``builder-inited`` the tables are written to
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from pathlib import Path
 
 from conformance.checks.registry import BUILTIN, Check
 from conformance.cli.run import emulation_parser
+from conformance.contract import Feature, spelling
+from conformance.contract.declared import FIRST_EDITION
 from conformance.pytest_plugin.options import INI, OPTIONS
 
 _ROLE = re.compile(r":(?:[a-z]+:)+`~?(?:[^`<]*<)?([^`>]+)>?`")
@@ -55,7 +58,7 @@ def _over(check: Check) -> str:
 def _needs(check: Check) -> str:
     needs = []
     if check.capability:
-        needs.append(f"`Capabilities.{check.capability}`")
+        needs.append(f"`{spelling(check.capability)}`")
     if len(set(check.layouts)) == 2:
         needs.append("both layouts")
     elif check.layouts:
@@ -129,11 +132,40 @@ def emulation_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def _signature(kind: type[Feature]) -> str:
+    """``Kind(field, field=default)``: how a family writes the feature, with its defaults."""
+    fields = [
+        field.name if field.default is dataclasses.MISSING else f"{field.name}={field.default!r}"
+        for field in dataclasses.fields(kind)
+    ]
+    return f"`{kind.__name__}({', '.join(fields)})`"
+
+
+def features_table() -> str:
+    """Every typed feature: how it is written, what it enables, its first-edition spelling.
+
+    From each feature's docstring: its first paragraph, and the first sentence of its
+    second, which names the first edition's spelling.
+    """
+    rows = [
+        "| feature | ability (`unsupported` key) | what it is for | first edition |",
+        "|---|---|---|---|",
+    ]
+    for kind in FIRST_EDITION:
+        summary, rest = (inspect.getdoc(kind) or "").split("\n\n", 2)[:2]
+        first = rest.split(". ", 1)[0].removesuffix(".").removeprefix("The first edition's ")
+        rows.append(
+            f"| {_signature(kind)} | `{kind.capability}` | {_cell(summary)} | {_cell(first)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 TABLES = {
     "checks.md": checks_table,
     "options.md": options_table,
     "ini.md": ini_table,
     "emulation.md": emulation_table,
+    "features.md": features_table,
 }
 """Each generated file of ``_generated/`` and the function that writes it."""
 
