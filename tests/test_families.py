@@ -563,6 +563,11 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
     )
 
 
+def _declaring(base, *features):
+    """``base`` declaring exactly ``features``."""
+    return type("Declaring", (base,), {"features": lambda self: features})()
+
+
 class FirstEditionMoe(MoeFamily):
     """moe declaring its loss in the first edition, turned on by ``aux_losses_config``."""
 
@@ -588,41 +593,51 @@ def test_both_editions_declare_the_same_auxiliary_losses():
     ]
 
 
-def test_an_aux_losses_feature_is_checked_at_load():
-    def declaring(*features):
-        return type("Declaring", (MoeFamily,), {"features": lambda self: features})()
+NEEDS = {
+    "no loss": (
+        _declaring(MoeFamily, AuxLosses(())),
+        ["family 'moe' declares AuxLosses(names=()); give a non-empty tuple of strings"],
+    ),
+    "no names, no hook": (
+        _declaring(MoeFamily, AuxLosses("moe_lb_loss", config="on")),
+        [
+            "family 'moe' declares AuxLosses(config='on'), which is not callable as config(config)",
+            "family 'moe' declares AuxLosses(names='moe_lb_loss'); give a non-empty tuple of "
+            "strings",
+        ],
+    ),
+    "an ignored aux_losses_config": (
+        type("Overrides", (MoeFamily,), {"aux_losses_config": lambda self, c: c})(),
+        [
+            "family 'moe' overrides aux_losses_config, which its AuxLosses feature does not "
+            "call: give AuxLosses(config=self.aux_losses_config), or drop the override"
+        ],
+    ),
+    "no backend": (
+        _declaring(Gpt3Family, Recorded(())),
+        ["family 'gpt3' declares Recorded(backends=()); give a non-empty tuple of strings"],
+    ),
+    "an unknown backend, no hook": (
+        _declaring(Gpt3Family, Recorded(("jax",), upgrade={})),
+        [
+            "family 'gpt3' declares recorded references of ['jax']; backends: linen, nnx",
+            "family 'gpt3' declares Recorded(upgrade={}), which is not callable as "
+            "upgrade(leaves, versions)",
+        ],
+    ),
+    "an ignored upgrade_reference": (
+        type("Overrides", (Gpt3Family,), {"upgrade_reference": lambda s, x, v: x})(),
+        [
+            "family 'gpt3' overrides upgrade_reference, which its Recorded feature does not "
+            "call: give Recorded(upgrade=self.upgrade_reference), or drop the override"
+        ],
+    ),
+}
 
-    assert problems(declaring(AuxLosses(()))) == [
-        "family 'moe' declares AuxLosses(names=()); give a non-empty tuple of strings"
-    ]
-    assert problems(declaring(AuxLosses("moe_lb_loss", config="on"))) == [
-        "family 'moe' declares AuxLosses(config='on'), which is not callable as config(config)",
-        "family 'moe' declares AuxLosses(names='moe_lb_loss'); give a non-empty tuple of strings",
-    ]
-    overrides = type("Overrides", (MoeFamily,), {"aux_losses_config": lambda self, c: c})()
-    assert problems(overrides) == [
-        "family 'moe' overrides aux_losses_config, which its AuxLosses feature does not "
-        "call: give AuxLosses(config=self.aux_losses_config), or drop the override"
-    ]
 
-
-def test_a_recorded_feature_is_checked_at_load():
-    def declaring(*features):
-        return type("Declaring", (Gpt3Family,), {"features": lambda self: features})()
-
-    assert problems(declaring(Recorded(()))) == [
-        "family 'gpt3' declares Recorded(backends=()); give a non-empty tuple of strings"
-    ]
-    assert problems(declaring(Recorded(("jax",), upgrade={}))) == [
-        "family 'gpt3' declares recorded references of ['jax']; backends: linen, nnx",
-        "family 'gpt3' declares Recorded(upgrade={}), which is not callable as "
-        "upgrade(leaves, versions)",
-    ]
-    overrides = type("Overrides", (Gpt3Family,), {"upgrade_reference": lambda s, x, v: x})()
-    assert problems(overrides) == [
-        "family 'gpt3' overrides upgrade_reference, which its Recorded feature does not call: "
-        "give Recorded(upgrade=self.upgrade_reference), or drop the override"
-    ]
+@pytest.mark.parametrize(("declaring", "expected"), NEEDS.values(), ids=NEEDS)
+def test_aux_losses_and_recorded_features_without_what_they_need_fail_at_load(declaring, expected):
+    assert problems(declaring) == expected
 
 
 class PerRelease(Gpt3Family):
@@ -656,13 +671,10 @@ def test_bridges_and_a_release_are_read_from_either_edition_and_checked():
 
 
 def test_a_qwix_feature_is_checked_at_load():
-    def declaring(*features):
-        return type("Declaring", (Gpt3Family,), {"features": lambda self: features})()
-
-    assert problems(declaring(Qwix(frozenset()))) == [
+    assert problems(_declaring(Gpt3Family, Qwix(frozenset()))) == [
         "family 'gpt3' declares Qwix with no mode; give at least one"
     ]
-    assert problems(declaring(Qwix(frozenset({"qat_int4"}), scope="decoder"))) == [
+    assert problems(_declaring(Gpt3Family, Qwix(frozenset({"qat_int4"}), scope="decoder"))) == [
         "family 'gpt3' declares quantization modes ['qat_int4']; known modes: qat_int8, "
         "qat_fp8, ptq_int8, ptq_fp8",
         "family 'gpt3' declares Qwix(scope='decoder'), which is not callable as scope(config)",

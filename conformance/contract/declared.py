@@ -94,40 +94,35 @@ def quantization_scope(family: Family, config: Any) -> QuantScope:
     return QuantScope() if found is None or found.scope is None else found.scope(config)
 
 
-def _first_edition_aux_losses(family: Family) -> AuxLosses | None:
-    """``Capabilities(aux_losses=names)`` and ``aux_losses_config``, as an AuxLosses."""
-    names = tuple(family.capabilities.aux_losses)
-    own = type(family).aux_losses_config is Family.aux_losses_config
-    return AuxLosses(names, None if own else family.aux_losses_config) if names else None
+def _listed(kind: type[Feature], field: str, hook: str) -> _FirstEdition:
+    """A feature first spelt as a ``Capabilities`` tuple ``field`` and an optional ``hook``.
 
+    ``Capabilities(aux_losses=names)`` with ``aux_losses_config``, read as
+    ``AuxLosses(names, config)``; the hook is the feature's second field, ``None`` when
+    the family keeps :class:`Family`'s.
+    """
 
-def _aux_losses_spellings(family: Family) -> tuple[str, str]:
-    names = tuple(family.capabilities.aux_losses)
-    if type(family).aux_losses_config is Family.aux_losses_config:
-        return f"Capabilities(aux_losses={names!r})", f"AuxLosses({names!r})"
-    old = f"Capabilities(aux_losses={names!r}) with aux_losses_config"
-    return old, f"AuxLosses({names!r}, self.aux_losses_config)"
+    def own(family: Family) -> bool:
+        return getattr(type(family), hook) is getattr(Family, hook)
+
+    def read(family: Family) -> Any:
+        values = tuple(getattr(family.capabilities, field))
+        if not values:
+            return None
+        return kind(values, None if own(family) else getattr(family, hook))  # type: ignore[call-arg]
+
+    def spelt(family: Family) -> tuple[str, str]:
+        values = tuple(getattr(family.capabilities, field))
+        old, new = f"Capabilities({field}={values!r})", f"{kind.__name__}({values!r}"
+        return (old, f"{new})") if own(family) else (f"{old} with {hook}", f"{new}, self.{hook})")
+
+    return _FirstEdition(read, spelt)
 
 
 def aux_losses(family: Family) -> tuple[str, ...]:
     """The auxiliary losses ``family`` declares (:class:`AuxLosses`, either edition); maybe none."""
     found = declared(family, AuxLosses)
     return () if found is None else tuple(found.names)
-
-
-def _first_edition_recorded(family: Family) -> Recorded | None:
-    """``Capabilities(recorded=backends)`` and ``upgrade_reference``, as a Recorded."""
-    backends = tuple(family.capabilities.recorded)
-    own = type(family).upgrade_reference is Family.upgrade_reference
-    return Recorded(backends, None if own else family.upgrade_reference) if backends else None
-
-
-def _recorded_spellings(family: Family) -> tuple[str, str]:
-    backends = tuple(family.capabilities.recorded)
-    if type(family).upgrade_reference is Family.upgrade_reference:
-        return f"Capabilities(recorded={backends!r})", f"Recorded({backends!r})"
-    old = f"Capabilities(recorded={backends!r}) with upgrade_reference"
-    return old, f"Recorded({backends!r}, self.upgrade_reference)"
 
 
 def recorded_backends(family: Family) -> tuple[str, ...]:
@@ -206,8 +201,8 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
         ),
     ),
     Qwix: _FirstEdition(_first_edition_qwix, _qwix_spellings),
-    AuxLosses: _FirstEdition(_first_edition_aux_losses, _aux_losses_spellings),
-    Recorded: _FirstEdition(_first_edition_recorded, _recorded_spellings),
+    AuxLosses: _listed(AuxLosses, "aux_losses", "aux_losses_config"),
+    Recorded: _listed(Recorded, "recorded", "upgrade_reference"),
     Bridges: _FirstEdition(_first_edition_bridges, _bridges_spellings),
     Release: _FirstEdition(
         _first_edition_release,
