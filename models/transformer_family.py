@@ -15,12 +15,12 @@ from conformance.families import (
     Backend,
     Batch,
     Bridges,
-    Capabilities,
     Decode,
     Dropout,
     Family,
     Feature,
     Fp8,
+    Layouts,
     LogicalRules,
     PathRules,
     Qwix,
@@ -43,7 +43,6 @@ class TransformerFamily(Family):
 
     goldens = GOLDENS
 
-    capabilities = Capabilities(scan_layers=(False, True))
     train_rngs = ("dropout",)
     base_configs: ClassVar[Mapping[str, TransformerConfig]]
     """Base config per size; :meth:`config` sets the layout and dtype."""
@@ -51,11 +50,12 @@ class TransformerFamily(Family):
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix, recorded Linen, no bridge.
+        """Both layouts, decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix and the rest.
 
         Decoding takes the ``mode`` keyword, through caches the models hold.
         """
         return (
+            Layouts((False, True), self.stack_rules),
             Decode(),
             Remat(self.remat_config),
             Dropout(self.dropout_config),
@@ -122,10 +122,10 @@ class TransformerFamily(Family):
         """Map Linen's ``layers_<i>/`` to NNX's ``layers/<i>/``; nothing when scanned."""
         return () if config.scan_layers else ((r"^layers_(\d+)/", r"layers/\1/"),)
 
-    def layer_stack_rules(self, config: TransformerConfig) -> PathRules:
-        """Stack Linen's ``layers_<i>/`` leaves into the scanned ``layers/`` layout."""
+    def stack_rules(self, config: TransformerConfig) -> PathRules:
+        """Stack the list's ``layers/<i>/`` leaves into the scanned ``layers/`` layout."""
         del config
-        return ((r"^layers_(?P<layer>\d+)/", "layers/"),)
+        return ((r"^layers/(?P<layer>\d+)/", "layers/"),)
 
     def logical_axis_rules(self) -> LogicalRules:
         """Return :data:`conformance_models.common.LOGICAL_AXIS_RULES`."""

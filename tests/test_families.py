@@ -42,17 +42,20 @@ from conformance.families import (
     FamilyError,
     FirstEditionWarning,
     Fp8,
+    Layouts,
     Qwix,
     Recorded,
     Release,
     Remat,
     VocabTiling,
+    with_features,
 )
 from conformance.pytest_plugin.divergences import divergence_problems, first_edition_spellings
 from conformance.pytest_plugin.plan import Planned, plan
 from conformance.pytest_plugin.session import Settings
 from conformance.pytest_plugin.suite import _refuse_unknown_divergences, _warn_first_edition
 from conformance.pytest_plugin.tiers import get_tier
+from conformance.runtime.layouts import stacking
 from conformance_models.gpt3.family import Gpt3Family
 from conformance_models.maxtext import config as maxtext_config
 from conformance_models.maxtext import releases
@@ -307,6 +310,7 @@ class FirstEdition(Gpt3Family):
 
     capabilities = dataclasses.replace(
         Gpt3Family.capabilities,
+        scan_layers=(False, True),
         decode=True,
         remat=True,
         dropout=True,
@@ -321,6 +325,9 @@ class FirstEdition(Gpt3Family):
     def variant(self, config, *, remat=False, dropout=0.0):
         return dataclasses.replace(config, remat=remat or config.remat, dropout_rate=dropout)
 
+    def layer_stack_rules(self, config):
+        return ((r"^layers_(?P<layer>\d+)/", "layers/"),)
+
     def features(self):
         return ()
 
@@ -330,9 +337,23 @@ class NoAqtHook(FirstEdition):
     aqt_config = Family.aqt_config
 
 
-class NoStackRules(Gpt3Family):
+class NoStackRules(FirstEdition):
     name = "no-stack-rules"
     layer_stack_rules = Family.layer_stack_rules
+
+
+class NoCanonicalStackRules(Gpt3Family):
+    name = "no-canonical-stack-rules"
+
+    def features(self):
+        return with_features(super().features(), Layouts((False, True)))
+
+
+class LinenStackRules(Gpt3Family):
+    """A second-edition family still overriding the first edition's Linen stack rules."""
+
+    name = "linen-stack-rules"
+    layer_stack_rules = FirstEdition.layer_stack_rules
 
 
 class UnhashableConfig(Gpt3Family):
@@ -401,6 +422,15 @@ class UnknownStyle(FirstEdition):
             "not define layer_stack_rules(config)",
         ),
         (
+            NoCanonicalStackRules(),
+            "family 'no-canonical-stack-rules' declares Layouts((False, True)) without stack=",
+        ),
+        (
+            LinenStackRules(),
+            "family 'linen-stack-rules' overrides layer_stack_rules (Linen paths), which its "
+            "Layouts feature does not call: state the rules in canonical (NNX) paths",
+        ),
+        (
             UnhashableConfig(),
             "family 'unhashable-config': config('tiny', scan_layers=False) is not hashable",
         ),
@@ -413,6 +443,8 @@ class UnknownStyle(FirstEdition):
         "unknown-decode-style",
         "capability-without-hook",
         "layouts-without-stack-rules",
+        "a-layouts-feature-without-stack-rules",
+        "linen-stack-rules-beside-a-layouts-feature",
         "unhashable",
         "unknown-mode",
     ],
@@ -496,6 +528,7 @@ def test_both_editions_give_the_same_feature_configs():
         (Qwix, ()),
         (Recorded, ()),
         (Bridges, ()),
+        (Layouts, ()),
     ]:
         old, new = required(first, kind), required(second, kind)
         assert supports(first, kind.capability)
@@ -505,6 +538,11 @@ def test_both_editions_give_the_same_feature_configs():
             assert quantization_scope(first, config) == quantization_scope(second, config)
         elif kind in (Decode, Recorded, Bridges):
             assert old == new
+        elif kind is Layouts:
+            assert (old.scan, old.axis, old.state_axis) == (new.scan, new.axis, new.state_axis)
+            loop, scan = (second.config("tiny", scan_layers=s) for s in (False, True))
+            assert stacking(first, loop, scan) == stacking(second, loop, scan)
+            assert len(stacking(second, loop, scan).params) > 4
         else:
             assert old.config(config, *args) == new.config(config, *args), kind
 
@@ -549,6 +587,8 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "Qwix(frozenset({'ptq_fp8', 'ptq_int8', 'qat_fp8', 'qat_int8'}))",
         "Capabilities(recorded=('linen',)) -> Recorded(('linen',))",
         "expected_bridges={'linen': 0, 'nnx': 0} -> Bridges(linen=0, nnx=0)",
+        "Capabilities(scan_layers=(False, True)) with layer_stack_rules (Linen paths) -> "
+        "Layouts((False, True), stack=<the same rules in canonical (NNX) paths>)",
     ]
     assert first_edition_features(ToyLm()) == [
         "Capabilities(decode=True, decode_style='token') with decode_config -> "

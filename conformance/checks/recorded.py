@@ -32,6 +32,7 @@ import numpy as np
 
 from conformance.checks.declare import Axis, F, Param, declare
 from conformance.checks.kernel import quantized_forwards, step_disagreement
+from conformance.contract import preferred_layout
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
@@ -202,7 +203,7 @@ def _known_qwix_failure(values: Mapping[str, Any]) -> str | None:
     """
     if values["quant"] is None:
         return None
-    return quant_failure(values["quant"], values["family"].capabilities.preferred_scan_layers)
+    return quant_failure(values["quant"], preferred_layout(values["family"]))
 
 
 @_against_recorded()

@@ -33,7 +33,6 @@ from conformance.core.sharding import indivisible, spec_to_json
 from conformance.core.trees import (
     Flat,
     flatten_state,
-    layer_table,
     map_state_paths,
     restack,
     specs,
@@ -41,8 +40,9 @@ from conformance.core.trees import (
     variable_kind,
 )
 from conformance.runtime.case import Case
+from conformance.runtime.layouts import stacking
 from conformance.runtime.objective import aux_total, mean_token_loss
-from conformance.runtime.sides import LinenSide, Side, live_pair
+from conformance.runtime.sides import Side, live_pair
 from conformance.runtime.stepping import StepResult, Training, params_of
 from conformance.runtime.train_state import flat_state
 
@@ -178,17 +178,10 @@ def _to_variant(plain: Side, varied: Side, variant: str) -> Any:
     """Convert ``plain``'s parameter paths and values to ``varied``'s layout."""
     if variant != "scan_layers":
         return dict
-    family, config = plain.case.family, plain.case.bound
-    rules = family.layer_stack_rules(config)
-    if not rules:
-        fail("declares both layer layouts but no layer_stack_rules to stack them")
-    linen_plain, linen_varied = LinenSide(plain.case), LinenSide(varied.case)
-    table = layer_table(rules, linen_plain.runner.specs)
-    axis = family.layer_stack_axis
-    # Through Linen's paths, where the stack rules apply, and back.
-    return lambda flat: varied.own(
-        linen_varied.canonical(restack(linen_plain.own(plain.canonical(flat)), table, True, axis))
-    )
+    tables = stacking(plain.case.family, plain.case.bound, varied.case.bound)
+    if not tables.params:
+        fail("declares both layer layouts but no stack rules that stack them")
+    return lambda flat: varied.own(restack(plain.canonical(flat), tables.params, True, tables.axis))
 
 
 def _layout_steps(
@@ -229,7 +222,7 @@ def check_layout(case: Case, variant: str) -> None:
     :meth:`~conformance.contract.Family.variant` with ``remat``, or the scanned config.
     On each backend, one step of each from the same parameters gives the same loss,
     gradients and next parameters; for ``scan_layers`` the plain layout's layers are
-    stacked with the family's :meth:`~conformance.contract.Family.layer_stack_rules`.
+    stacked by the family's :attr:`Layouts.stack <conformance.contract.Layouts.stack>`.
     A failure also says whether each layout agrees with itself on one device.
     """
     if variant not in (names := [v.value for v in LAYOUT_VARIANTS]):

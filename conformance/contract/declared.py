@@ -22,6 +22,7 @@ from conformance.contract.features import (
     Dropout,
     Feature,
     Fp8,
+    Layouts,
     Qwix,
     Recorded,
     Release,
@@ -159,6 +160,48 @@ def _first_edition_release(family: Family) -> Release | None:
     return None if family.release is None else Release(family.release)
 
 
+def _first_edition_layouts(family: Family) -> Layouts | None:
+    """``Capabilities(scan_layers=...)`` and the stack axes, as Layouts without ``stack``.
+
+    The first edition's stack rules are in Linen paths, not the feature's canonical ones:
+    the harness applies them to Linen's parameters itself (``layer_stack_rules``).
+    """
+    scan = tuple(family.capabilities.scan_layers)
+    axes = (family.layer_stack_axis, family.state_stack_axis)
+    if scan == (False,) and axes == (0, 0):
+        return None
+    return Layouts(scan, None, *axes)
+
+
+def _layouts_spellings(family: Family) -> tuple[str, str]:
+    scan = tuple(family.capabilities.scan_layers)
+    axes = {
+        ("layer_stack_axis", "axis"): family.layer_stack_axis,
+        ("state_stack_axis", "state_axis"): family.state_stack_axis,
+    }
+    old, new = [f"Capabilities(scan_layers={scan!r})"], [repr(scan)]
+    if set(scan) == {False, True}:
+        old.append("layer_stack_rules (Linen paths)")
+        new.append("stack=<the same rules in canonical (NNX) paths>")
+    old += [f"{first}={value}" for (first, _), value in axes.items() if value]
+    new += [f"{second}={value}" for (_, second), value in axes.items() if value]
+    return " with ".join([old[0], ", ".join(old[1:])]).removesuffix(" with "), (
+        f"Layouts({', '.join(new)})"
+    )
+
+
+def layouts(family: Family) -> tuple[bool, ...]:
+    """The layer layouts ``family`` builds (:class:`Layouts`), preferred first; ``(False,)``."""
+    found = declared(family, Layouts)
+    return (False,) if found is None else tuple(found.scan)
+
+
+def preferred_layout(family: Family) -> bool:
+    """Whether ``family`` prefers its layers scanned: the first of :func:`layouts`."""
+    scan = layouts(family)
+    return scan[0] if scan else False
+
+
 def release(family: Family) -> str | None:
     """The release whose goldens ``family`` runs (:class:`Release`), or ``None``."""
     found = declared(family, Release)
@@ -204,6 +247,7 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
     AuxLosses: _listed(AuxLosses, "aux_losses", "aux_losses_config"),
     Recorded: _listed(Recorded, "recorded", "upgrade_reference"),
     Bridges: _FirstEdition(_first_edition_bridges, _bridges_spellings),
+    Layouts: _FirstEdition(_first_edition_layouts, _layouts_spellings),
     Release: _FirstEdition(
         _first_edition_release,
         lambda family: (f"release={family.release!r}", f"Release({family.release!r})"),

@@ -110,9 +110,9 @@ class Family(abc.ABC):
     unsupported: Mapping[str, str] = MappingProxyType({})
     """Why the family cannot run something, shown in every skip reason it explains.
 
-    Keyed by a :class:`Capabilities` field (``{"decode": "..."}``, ``"scan_layers"``
-    for a missing layer layout, ``"quantization"`` for a missing mode) or by the name
-    of a check the family cannot run for a reason of the check's own.
+    Keyed by a feature's ability (its ``capability``: ``{"decode": "..."}``,
+    ``"scan_layers"`` for a missing layer layout, ``"quantization"`` for a missing Qwix
+    mode) or by the name of a check the family cannot run for a reason of the check's own.
     """
 
     batch_axis: str = "batch"
@@ -157,12 +157,12 @@ class Family(abc.ABC):
     their goldens in the project."""
 
     layer_stack_axis: int = 0
-    """Axis of a scanned leaf that indexes layers (MaxText's ``param_scan_axis`` is 1)."""
+    """Axis of a scanned leaf that indexes layers. First edition: the second declares
+    ``Layouts(axis=...)`` in :meth:`features`."""
 
     state_stack_axis: int = 0
-    """Axis of a scanned :attr:`persistent_state` leaf that indexes layers. Flax's scans
-    stack collections other than the parameters on axis 0 unless told otherwise, as
-    MaxText's do (its ``MoEBiasVar`` on 0, its parameters on ``param_scan_axis`` 1)."""
+    """Axis of a scanned :attr:`persistent_state` leaf that indexes layers. First edition:
+    the second declares ``Layouts(state_axis=...)`` in :meth:`features`."""
 
     def features(self) -> Sequence[Feature]:
         """The optional abilities the family has, each a typed value with its own hooks.
@@ -173,6 +173,7 @@ class Family(abc.ABC):
         :meth:`decode_config`; ``Remat``, ``Dropout``, ``Aqt``, ``Fp8`` and ``VocabTiling``
         carry the config hook their ``Capabilities`` flag needed, ``Qwix`` the modes and
         the scope, ``AuxLosses`` the sown names and the config that turns them on,
+        ``Layouts`` the layer layouts and their stack rules in canonical paths,
         ``Recorded`` the recorded backends and the upgrade of old references,
         ``Bridges`` the bridged module counts, ``Release`` the release goldens are kept by.
         Declaring an ability in both spellings is a load error. None by default.
@@ -188,8 +189,9 @@ class Family(abc.ABC):
     def config(self, size: str, *, scan_layers: bool, dtype: jnp.dtype = jnp.float32) -> Any:
         """Return the config of ``size`` with the given layer layout and compute dtype.
 
-        ``scan_layers`` is one of :attr:`Capabilities.scan_layers`; the config must train
-        deterministically (no dropout: :meth:`variant` turns it on).
+        ``scan_layers`` is one of the family's layouts (its
+        :class:`~conformance.contract.Layouts`); the config must train deterministically
+        (no dropout: a :class:`~conformance.contract.Dropout` feature turns it on).
         """
 
     def linen_module(self, config: Any) -> nn.Module:
@@ -300,7 +302,9 @@ class Family(abc.ABC):
         Each pattern captures the layer index in a group named ``layer``, e.g.
         ``(r"^layers_(?P<layer>\d+)/", "layers/")``; leaves of all layers are stacked on
         a new axis (:attr:`layer_stack_axis`) in index order. Required when
-        :attr:`Capabilities.scan_layers` declares both layouts; empty by default.
+        :attr:`Capabilities.scan_layers` declares both layouts; empty by default. First
+        edition: the second declares ``Layouts(scan, stack)`` in :meth:`features`, its
+        rules in canonical (NNX) paths.
         """
         del config
         return ()

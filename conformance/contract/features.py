@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-from conformance.contract.values import Backend, QuantScope
+from conformance.contract.values import Backend, PathRules, QuantScope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +284,36 @@ class Release(Feature):
     capability: ClassVar[str] = "release"
     name: str
     """The release, a folder name (``"0.2.5"``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts(Feature):
+    """The layer layouts the family builds: a Python list of layers, or a scan over them.
+
+    The first edition's ``Capabilities(scan_layers=...)`` with
+    :meth:`Family.layer_stack_rules` (in Linen paths), :attr:`Family.layer_stack_axis`
+    and :attr:`Family.state_stack_axis`. Undeclared, a family builds one layout, the list.
+    With both, the ``layout[scan_layers]`` check and the cross-layout checkpoint
+    conversions stack the list's layers into the scan's leaves by :attr:`stack`.
+    """
+
+    capability: ClassVar[str] = "scan_layers"
+    optional: ClassVar[dict[str, str]] = {"stack": "stack(config)"}
+    scan: tuple[bool, ...]
+    """The layouts (``True``: scanned), the preferred one first: the ``smoke`` tier runs
+    only that one."""
+    stack: Callable[[Any], PathRules] | None = None
+    r"""``stack(config)``: rewrites from the list layout's canonical (NNX) parameter paths,
+    for the list ``config``, to the scan's. Each pattern captures the layer index in a
+    group named ``layer`` (``(r"^layers/(?P<layer>\d+)/", "layers/")``); the leaves of
+    all layers stack on a new axis (:attr:`axis`) in index order. Required with both
+    layouts. Stated in canonical paths, they hold once Linen is deleted."""
+    axis: int = 0
+    """The axis of a scanned parameter that indexes layers (MaxText's ``param_scan_axis``
+    is 1)."""
+    state_axis: int = 0
+    """The same for persistent state (:attr:`Family.persistent_state`): Flax's scans stack
+    collections other than the parameters on axis 0 unless told otherwise."""
 
 
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:

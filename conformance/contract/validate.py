@@ -11,7 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from conformance.contract.declared import FIRST_EDITION, declared, first_edition, recorded_backends
+from conformance.contract.declared import (
+    FIRST_EDITION,
+    declared,
+    first_edition,
+    layouts,
+    recorded_backends,
+)
 from conformance.contract.family import Family
 from conformance.contract.features import (
     AuxLosses,
@@ -19,6 +25,7 @@ from conformance.contract.features import (
     CacheAsValue,
     Decode,
     Feature,
+    Layouts,
     Qwix,
     Recorded,
 )
@@ -62,11 +69,7 @@ def problems(family: Family) -> list[str]:
         for cap, hook in HOOKS.items()
         if getattr(caps, cap) and not _overrides(family, hook) and cap not in typed
     ]
-    if set(caps.scan_layers) == {False, True} and not _overrides(family, "layer_stack_rules"):
-        found.append(
-            f"family {name!r} declares Capabilities(scan_layers={caps.scan_layers}) but does "
-            "not define layer_stack_rules(config), which stacks one layout into the other"
-        )
+    found += _layouts(family)
     qwix = [feature for feature in family.features() if isinstance(feature, Qwix)]
     modes = set(qwix[0].modes) if qwix else set(caps.quantization)
     if qwix and not modes:
@@ -97,10 +100,10 @@ def problems(family: Family) -> list[str]:
             f"family {name!r} declares goldens={str(family.goldens)!r}, a relative path: it "
             "would follow the working directory; give its package's directory, absolute"
         )
-    if not caps.scan_layers or not family.sizes:
+    if not layouts(family) or not family.sizes:
         found.append(f"family {name!r} declares no layer layout or no size")
     elif family.unavailable() is None:
-        for scan in caps.scan_layers:
+        for scan in layouts(family):
             config = family.config(family.device_size, scan_layers=scan)
             try:
                 hash(config)
@@ -202,6 +205,36 @@ def _names(family: Family) -> list[str]:
         found.append(
             f"family {family.name!r} declares {type(feature).__name__}({field}={names!r}); "
             "give a non-empty tuple of strings"
+        )
+    return found
+
+
+def _layouts(family: Family) -> list[str]:
+    """Both layouts without stack rules, or first-edition stack rules a feature ignores.
+
+    First-edition stack axes beside a :class:`Layouts` feature are refused as an ability
+    declared twice (:func:`_features`).
+    """
+    name, typed = family.name, [f for f in family.features() if isinstance(f, Layouts)]
+    if not typed:
+        scan = family.capabilities.scan_layers
+        if set(scan) == {False, True} and not _overrides(family, "layer_stack_rules"):
+            return [
+                f"family {name!r} declares Capabilities(scan_layers={scan}) but does not "
+                "define layer_stack_rules(config), which stacks one layout into the other"
+            ]
+        return []
+    layouts, found = typed[0], []
+    if set(layouts.scan) == {False, True} and layouts.stack is None:
+        found.append(
+            f"family {name!r} declares Layouts({layouts.scan}) without stack=, the rules "
+            "that stack the list's layers into the scan's (canonical paths)"
+        )
+    if _overrides(family, "layer_stack_rules"):
+        found.append(
+            f"family {name!r} overrides layer_stack_rules (Linen paths), which its Layouts "
+            "feature does not call: state the rules in canonical (NNX) paths as "
+            "Layouts(stack=...), or drop the override"
         )
     return found
 

@@ -182,10 +182,9 @@ class Capabilities:
     """
 
     scan_layers: tuple[bool, ...] = (False,)
-    """Layer layouts supported (``True``: scanned), the family's preferred one first: the
-    ``smoke`` tier runs only that one. Declaring both requires
-    :meth:`Family.layer_stack_rules`: the layout checks and cross-layout checkpoint
-    conversions stack one layout's layers into the other's."""
+    """Layer layouts supported (``True``: scanned), the preferred one first; both require
+    :meth:`Family.layer_stack_rules`. First edition: the second declares
+    :class:`~conformance.contract.Layouts` in :meth:`Family.features`."""
     remat: bool = False
     """:meth:`Family.variant` gives a rematerialised config (``layout[remat]``)."""
     dropout: bool = False

@@ -27,6 +27,8 @@ from conformance.checks.registry import (
 from conformance.contract import (
     Backend,
     Family,
+    layouts,
+    preferred_layout,
     quantization_modes,
     recorded_backends,
     release,
@@ -154,7 +156,7 @@ class Planned:
         if scan is None and "layouts" in self.params:
             scan = self.params["layouts"].value[0]
         if scan is None:
-            scan = self.family.capabilities.preferred_scan_layers
+            scan = preferred_layout(self.family)
         mesh = self.values.get("mesh")
         if not isinstance(mesh, MeshSpec) or self.check.saved_on:
             mesh = primary
@@ -175,8 +177,7 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "topology":
             return [(m.id, m) for m in run.topologies]
         case "tpu":
-            layouts = family.capabilities.scan_layers
-            return [(c.id, c) for c in compiles(run.tpu, family.sizes, layouts)]
+            return [(c.id, c) for c in compiles(run.tpu, family.sizes, layouts(family))]
         case "scan_layers":
             return list(LAYOUTS.items())
         case "dtype":
@@ -217,10 +218,10 @@ def _because(family: Family, reason: str, *keys: str) -> str:
 
 
 def _layout_missing(family: Family, scan: bool) -> str | None:
-    if scan in family.capabilities.scan_layers:
+    if scan in layouts(family):
         return None
     layout = "scan_layers" if scan else "a layer list"
-    reason = f"{family.name} does not support {layout} (Capabilities.scan_layers)"
+    reason = f"{family.name} does not support {layout} (Layouts in features())"
     return _because(family, reason, "scan_layers")
 
 

@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from conformance import contract
-from conformance.contract import Family, recorded_backends
+from conformance.contract import Family, preferred_layout, recorded_backends
 from conformance.core import distributed, programs
 from conformance.core.environment import (
     configure_host_platform,
@@ -167,7 +167,7 @@ class Settings:
             if (why := family.unavailable()) is not None:
                 found[family.name] = f"not built ({why})"
                 continue
-            scan = family.capabilities.preferred_scan_layers
+            scan = preferred_layout(family)
             runners = {"NNX": nnx_runner}
             if family.has_linen:
                 runners = {"Linen": linen_runner, **runners}

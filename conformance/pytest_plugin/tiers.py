@@ -70,10 +70,12 @@ class Tier:
         conversion's source and target layouts, ``True``: scanned) and ``tpu_production``
         (a TPU compile at production sizes); a test lacking one is not narrowed by it.
         """
+        from conformance.contract import preferred_layout
+
         mesh = facets.get("mesh")
         if mesh is not None and self.meshes is not None and mesh.id not in self.meshes:
             return f"mesh {mesh.id}"
-        preferred = family.capabilities.preferred_scan_layers
+        preferred = preferred_layout(family)
         scan = facets.get("scan_layers")
         if self.one_layout and scan is not None and scan != preferred:
             return f"layout {'scan' if scan else 'loop'}"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from conformance.contract import Batch, Family, LogicalRules
+from conformance.contract import Batch, Family, LogicalRules, preferred_layout
 from conformance.core.failure import fail_if_any
 from conformance.core.sharding import (
     Logical,
@@ -71,7 +71,7 @@ class Case:
         """
         size = family.device_size if size is None else size
         if scan_layers is None:
-            scan_layers = family.capabilities.preferred_scan_layers
+            scan_layers = preferred_layout(family)
         config = family.config(size, scan_layers=scan_layers, dtype=dtype)
         return cls(family, size, scan_layers, config, mesh, devices, quant, dtype)
 

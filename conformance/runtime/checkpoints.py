@@ -34,13 +34,12 @@ from conformance.core.trees import (
     Flat,
     LeafSpec,
     flatten,
-    layer_table,
     map_state_paths,
     specs,
     unflatten,
 )
 from conformance.core.trees import restack as trees_restack
-from conformance.runtime.backends import linen_runner, path_map, persistent_collections
+from conformance.runtime.layouts import canonical_paths, stacking
 from conformance.runtime.train_state import flat_state
 from conformance.runtime.training import TRAINERS
 
@@ -231,34 +230,26 @@ def convert(
 ) -> tuple[Flat, CheckpointInfo]:
     """Convert a train state between backends and layer layouts.
 
-    The state goes to Linen paths of its own layout, is restacked if the layout
-    changes (parameters on ``Family.layer_stack_axis``, persistent state on
-    ``Family.state_stack_axis``), and then goes to the target backend's paths; optimizer
-    moments follow their parameters and counters pass through unchanged.
+    The state goes to canonical (NNX) paths, is restacked there if the layout changes
+    (:func:`~conformance.runtime.layouts.stacking`: parameters and their optimizer
+    moments on one axis, persistent state on another), and then goes to the target
+    backend's paths; counters pass through unchanged.
     """
     rename = seam("convert_rename", _rename)
     restack = seam("convert_restack", trees_restack)
     src_config = family.config(source.size, scan_layers=source.scan_layers)
     dst_config = family.config(source.size, scan_layers=scan_layers)
-    if source.backend is Backend.NNX:
-        to_linen = {v: k for k, v in path_map(family, src_config).items()}
-        state = rename(state, map_state_paths(to_linen, state))
+    if Backend(source.backend) is Backend.LINEN:
+        state = rename(state, map_state_paths(canonical_paths(family, src_config), state))
     if source.scan_layers != scan_layers:
-        loop_config = family.config(source.size, scan_layers=False)
-        rules, runner = family.layer_stack_rules(loop_config), linen_runner(family, loop_config)
-        state = restack(
-            state, layer_table(rules, runner.specs), scan_layers, family.layer_stack_axis
-        )
-        persistent = {
-            path: spec
-            for collection in persistent_collections(family)
-            for path, spec in runner.kept.get(collection, {}).items()
-        }
-        if persistent:
-            table = layer_table(rules, persistent)
-            state = restack(state, table, scan_layers, family.state_stack_axis)
-    if backend is Backend.NNX:
-        state = rename(state, map_state_paths(path_map(family, dst_config), state))
+        loop, scan = (family.config(source.size, scan_layers=s) for s in (False, True))
+        tables = stacking(family, loop, scan)
+        state = restack(state, tables.params, scan_layers, tables.axis)
+        if tables.state:
+            state = restack(state, tables.state, scan_layers, tables.state_axis)
+    if Backend(backend) is Backend.LINEN:
+        to_linen = {v: k for k, v in canonical_paths(family, dst_config).items()}
+        state = rename(state, map_state_paths(to_linen, state))
     state = seam("convert_cast_counters", cast_counters)(
         state, expected_layout(family, dst_config, backend)
     )

@@ -31,7 +31,6 @@ from conformance.families import (
     Backend,
     Batch,
     Bridges,
-    Capabilities,
     Decode,
     Divergence,
     Dropout,
@@ -39,6 +38,7 @@ from conformance.families import (
     FamilyError,
     Feature,
     Fp8,
+    Layouts,
     LogicalRules,
     PathRules,
     QuantScope,
@@ -66,7 +66,6 @@ class MaxTextFamily(Family):
     """``tiny`` (``model_name`` shrunk, run on devices), then production sizes: MaxText
     model ymls as shipped, evaluated abstractly (structure and sharding goldens)."""
     batch_axis = "activation_batch"
-    layer_stack_axis = 1
     goldens = GOLDENS
     model_name: ClassVar[str]
     """The MaxText model (a yml under ``maxtext/configs/models``)."""
@@ -75,8 +74,6 @@ class MaxTextFamily(Family):
     production: ClassVar[Mapping[str, Mapping[str, Any]]] = MappingProxyType({})
     """Keys a production size's workload sets on top of its yml (none by default)."""
 
-    # MaxText's default is scanned layers: smoke runs those.
-    capabilities = Capabilities(scan_layers=(True, False))
     train_rngs = ("dropout",)
 
     divergences: ClassVar[Mapping[str, tuple[Divergence, ...]]] = MappingProxyType({})
@@ -94,6 +91,9 @@ class MaxTextFamily(Family):
         per_release = () if installed is None else (Release(installed),)
         bridged = (Bridges(linen=1, nnx=0),) if releases.bridged() else ()
         return (
+            # MaxText's default is scanned layers (smoke runs those), stacked on axis 1
+            # (its param_scan_axis); the routing bias, persistent state, on axis 0.
+            Layouts((True, False), self.stack_rules, axis=1),
             *per_release,
             *bridged,
             Decode(),
@@ -236,7 +236,7 @@ class MaxTextFamily(Family):
         """
         return dataclasses.replace(config, vocab_tiles=tiles)
 
-    def layer_stack_rules(self, config: MaxTextConfig) -> PathRules:
+    def stack_rules(self, config: MaxTextConfig) -> PathRules:
         r"""MaxText stacks ``decoder/<stack>_<i>/`` into ``decoder/<stack>/`` on axis 1.
 
         ``<stack>`` is ``layers``, or ``dense_layers`` and ``moe_layers`` for DeepSeek.

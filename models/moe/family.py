@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import AuxLosses, Bridges, Capabilities, Feature, LogicalRules
+from conformance.families import AuxLosses, Bridges, Feature, LogicalRules
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -24,15 +24,17 @@ class MoeFamily(TransformerFamily):
     """
 
     name = "moe"
-    capabilities = Capabilities()
-    """One layer layout (``unsupported`` says why)."""
     train_rngs = ()
     unsupported: Mapping[str, str] = MappingProxyType(
         {"scan_layers": "kept small: one layer layout, a Python list of blocks"}
     )
 
     def features(self) -> Sequence[Feature]:
-        """Its load-balancing loss and no bridge; unlike the other transformers, no decoding."""
+        """Its load-balancing loss and no bridge.
+
+        Unlike the other transformers, one layer layout (``unsupported`` says why) and no
+        decoding.
+        """
         return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0))
 
     base_configs: ClassVar[dict[str, MoeConfig]] = {

@@ -10,7 +10,7 @@ first edition is told to respell.
 import pytest
 
 from conformance.checks.registry import BUILTIN
-from conformance.contract import declared, first_edition_features
+from conformance.contract import declared, first_edition_features, layouts, preferred_layout
 from conformance.contract.declared import FIRST_EDITION
 from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
@@ -19,6 +19,7 @@ from conformance.pytest_plugin.options import DEFAULT_MESHES
 from conformance.pytest_plugin.plan import plan, skip_reason
 from conformance.pytest_plugin.session import Settings
 from conformance.pytest_plugin.tiers import get_tier
+from conformance.runtime.layouts import stacking
 from tests.contract.toyzoo import families as first
 from tests.contract.toyzoo import second_edition as second
 
@@ -52,7 +53,7 @@ def test_both_editions_plan_the_same_tests_skips_and_expected_failures(old, new,
 
 @pytest.mark.parametrize(("old", "new"), PAIRS, ids=IDS)
 def test_each_feature_gives_the_same_configs_from_either_edition(old, new):
-    config = old.config(old.device_size, scan_layers=old.capabilities.preferred_scan_layers)
+    config = old.config(old.device_size, scan_layers=preferred_layout(old))
     for kind in FIRST_EDITION:
         assert (declared(old, kind) is None) == (declared(new, kind) is None), kind
     calls = {Remat: (), Dropout: (0.1,)}
@@ -69,6 +70,10 @@ def test_each_feature_gives_the_same_configs_from_either_edition(old, new):
         assert qwix.modes == declared(new, Qwix).modes
     if (losses := declared(old, AuxLosses)) is not None:
         assert losses == declared(new, AuxLosses)
+    if set(layouts(old)) == {False, True}:
+        loop, scan = (old.config(old.device_size, scan_layers=s) for s in (False, True))
+        assert stacking(old, loop, scan) == stacking(new, loop, scan)
+        assert stacking(new, loop, scan).params
 
 
 @pytest.mark.parametrize(("old", "new"), PAIRS, ids=IDS)

@@ -44,7 +44,7 @@ def swaps_moments(state, mapping):
 
 
 def stacks_on_next_axis(flat, table, to_scan, axis=0):
-    """``restack`` that stacks layers on the axis after the family's ``layer_stack_axis``."""
+    """``restack`` that stacks layers on the axis after the family's ``Layouts.axis``."""
     stacked = restack(flat, table, to_scan, axis)
     if not to_scan:
         return stacked

@@ -20,6 +20,7 @@ from conformance.families import (
     Decode,
     Dropout,
     Feature,
+    Layouts,
     PathRules,
     Qwix,
     Remat,
@@ -31,15 +32,15 @@ from .moe import AUX_LOSS
 
 
 class ToyFull(first.ToyMinimal):
-    """Both layouts, remat and dropout variants, decode and Qwix QAT, as features."""
+    """Both layouts (stack rules in canonical paths), remat and dropout, decode, Qwix QAT."""
 
     name = "toy-full"
     unsupported: Mapping[str, str] = MappingProxyType({})
-    capabilities = Capabilities(scan_layers=(True, False))
     train_rngs = ("dropout",)
 
     def features(self) -> Sequence[Feature]:
         return (
+            Layouts((True, False), self.stack_rules),
             Remat(self.remat_config),
             Dropout(self.dropout_config),
             Decode(),
@@ -55,8 +56,8 @@ class ToyFull(first.ToyMinimal):
     def dropout_config(self, config: ToyConfig, rate: float) -> ToyConfig:
         return dataclasses.replace(config, checkpointed=False, dropout=rate)
 
-    def layer_stack_rules(self, config: ToyConfig) -> PathRules:
-        return ((r"^block_(?P<layer>\d+)/", "blocks/"),)
+    def stack_rules(self, config: ToyConfig) -> PathRules:
+        return ((r"^blocks/(?P<layer>\d+)/", "blocks/"),)
 
 
 class ToyLm(first.ToyLm):
