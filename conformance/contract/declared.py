@@ -175,19 +175,16 @@ def _first_edition_layouts(family: Family) -> Layouts | None:
 
 def _layouts_spellings(family: Family) -> tuple[str, str]:
     scan = tuple(family.capabilities.scan_layers)
-    axes = {
-        ("layer_stack_axis", "axis"): family.layer_stack_axis,
-        ("state_stack_axis", "state_axis"): family.state_stack_axis,
-    }
-    old, new = [f"Capabilities(scan_layers={scan!r})"], [repr(scan)]
-    if set(scan) == {False, True}:
-        old.append("layer_stack_rules (Linen paths)")
-        new.append("stack=<the same rules in canonical (NNX) paths>")
-    old += [f"{first}={value}" for (first, _), value in axes.items() if value]
-    new += [f"{second}={value}" for (_, second), value in axes.items() if value]
-    return " with ".join([old[0], ", ".join(old[1:])]).removesuffix(" with "), (
-        f"Layouts({', '.join(new)})"
-    )
+    both = set(scan) == {False, True}
+    axes = [
+        ("layer_stack_axis", "axis", family.layer_stack_axis),
+        ("state_stack_axis", "state_axis", family.state_stack_axis),
+    ]
+    old = ["layer_stack_rules (Linen paths)"] * both + [f"{a}={v}" for a, _, v in axes if v]
+    new = [repr(scan), *["stack=<the same rules in canonical (NNX) paths>"] * both]
+    new += [f"{b}={v}" for _, b, v in axes if v]
+    first = f"Capabilities(scan_layers={scan!r})" + (f" with {', '.join(old)}" if old else "")
+    return first, f"Layouts({', '.join(new)})"
 
 
 def layouts(family: Family) -> tuple[bool, ...]:
