@@ -24,7 +24,7 @@ from conformance.checks.kernel import (
     error_bound,
     forward_attribution,
     leaf_table,
-    param_map,
+    paired,
     quantized_forwards,
     rerun_note,
     round_trip,
@@ -188,10 +188,14 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
     serve_config = required(case.family, Aqt).config(case.config, "serve")
     serving = live_pair(case.with_config(serve_config))
     serve = nnx_.serve_runner
+    paired(*serving)
     _, serve_specs = agreed_specs(
-        (serving[0], linen.serve_runner.logical, linen.serve_runner.specs),
+        (
+            serving[0],
+            *map(serving[0].canonical, (linen.serve_runner.logical, linen.serve_runner.specs)),
+        ),
         (serving[1], serve.logical, serve.specs),
-        param_map(*serving),
+        {path: path for path in serve.specs},
     )
     return {
         "mesh": dict(case.mesh.axes),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.checks.declare import ON_MESH, Axis, declare
-from conformance.checks.kernel import forward_attribution, param_map
+from conformance.checks.kernel import forward_attribution, paired
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import (
@@ -92,7 +92,7 @@ def check_forward(case: Case) -> None:
     result from the same parameters (the policy's tie-break).
     """
     linen, nnx_ = live_pair(case)
-    mapping = param_map(linen, nnx_)
+    paired(linen, nnx_)
     batch = case.batch()
     linen_own, nnx_own = linen.init(0), nnx_.init(1)
     directions = {
@@ -117,7 +117,13 @@ def check_forward(case: Case) -> None:
             continue
         rules = case.family.path_rules(case.bound)
         found_module = localise(
-            linen.runner, nnx_.runner, linen_params, nnx_params, batch, mapping, rules
+            linen.runner,
+            nnx_.runner,
+            linen_params,
+            nnx_params,
+            batch,
+            linen.leaf_map().pairs(),
+            rules,
         )
         where = found_module.describe() if isinstance(found_module, Divergence) else found_module
         if not isinstance(found_module, Divergence) or found_module.unpaired_inside:

@@ -24,9 +24,11 @@ from conformance.checks.kernel import (
     error_bound,
     forward_attribution,
     leaf_table,
+    paired,
     quantized_forwards,
     round_trip,
     shared_params,
+    structure_problems,
     train_step_parity,
 )
 from conformance.contract import Family, quantization_modes
@@ -34,13 +36,7 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, Mismatch, compare_arrays, compare_trees
 from conformance.core.records import failed
-from conformance.core.trees import (
-    PathMapError,
-    flatten_state,
-    map_paths,
-    structure_diff,
-    variable_kind,
-)
+from conformance.core.trees import flatten_state, variable_kind
 from conformance.runtime.case import Case
 from conformance.runtime.quant import MODES, known_failure, unused_rules
 from conformance.runtime.sides import Side, live_pair
@@ -50,8 +46,8 @@ TOPOLOGY_MODE = "qat_fp8"
 large training workloads do)."""
 
 
-def quantized_pair(case: Case) -> tuple[Side, Side, dict[str, str]]:
-    """Both sides of the quantized case, and ``{Linen path: NNX path}`` of their params.
+def quantized_pair(case: Case) -> tuple[Side, Side]:
+    """Both sides of the quantized case, their parameters checked to meet one-to-one.
 
     Fails if a quantization rule matched no operation on either side.
     """
@@ -61,11 +57,8 @@ def quantized_pair(case: Case) -> tuple[Side, Side, dict[str, str]]:
             fail_if_any(
                 f"{side.name} {case.quant}: a rule is a no-op", unused_rules(side.runner.provider)
             )
-    try:
-        mapping = map_paths(case.family.path_rules(case.bound), linen.runner.specs)
-    except PathMapError as err:
-        fail(str(err))
-    return linen, nnx_, mapping
+    paired(linen, nnx_)
+    return linen, nnx_
 
 
 def _known_failure(values: Mapping[str, Any]) -> str | None:
@@ -88,9 +81,9 @@ def check_quant_params(case: Case) -> dict[str, Any]:
     golden payload.
     """
     quant, mode = case.quant, MODES[case.quant]
-    linen, nnx_, mapping = quantized_pair(case)
+    linen, nnx_ = quantized_pair(case)
     a, b = linen.runner, nnx_.runner
-    problems = structure_diff(a.specs, b.specs, mapping)
+    problems = structure_problems((linen, a.specs), b.specs)
     counts = f"Linen {len(a.specs)} leaves, NNX {len(b.specs)} leaves"
     fail_if_any(f"{quant}: {len(problems)} difference(s) ({counts})", problems)
     if mode.method == "ptq":
@@ -99,7 +92,8 @@ def check_quant_params(case: Case) -> dict[str, Any]:
         if not qvalues:
             fail(f"{quant}: no parameter was quantized (no qvalue leaf)")
         fail_if_any(f"{quant}: qvalue leaves not of type {mode.qtype}", wrong)
-    _, nnx_specs = agreed_specs((linen, a.logical, a.specs), (nnx_, b.logical, b.specs), mapping)
+    canonical = (linen, linen.canonical(a.logical), linen.canonical(a.specs))
+    nnx_specs = agreed_specs(canonical, (nnx_, b.logical, b.specs), {p: p for p in b.specs})[1]
     return {
         "mode": quant,
         "mesh": dict(case.mesh.axes),
@@ -120,12 +114,11 @@ def check_quant_forward(case: Case) -> None:
     forwards show.
     """
     quant, mode = case.quant, MODES[case.quant]
-    linen, nnx_, mapping = quantized_pair(case)
+    linen, nnx_ = quantized_pair(case)
     linen_float, nnx_float = shared_params(*live_pair(case.quantized(None)))
     linen_q, nnx_q = linen.runner.quantize(linen_float), nnx_.runner.quantize(nnx_float)
     if mode.method == "ptq":
-        moved = {mapping[p]: v for p, v in linen_q.items()}
-        mismatches = compare_trees(moved, nnx_q)
+        mismatches = compare_trees(linen.canonical(linen_q), nnx_q)
         if mismatches:
             title = f"{quant} quantized parameters on mesh {case.mesh.id}"
             fail(failed(title, mismatches, (linen.name, nnx_.name)) + _stored_float(mismatches))
@@ -197,7 +190,7 @@ def check_quant_hygiene(case: Case) -> None:
     Both: the parameter tree and its sharding tree have equal leaf counts.
     """
     quant = case.quant
-    linen, nnx_, _ = quantized_pair(case)
+    linen, nnx_ = quantized_pair(case)
     float_model = nnx_.unquantized().runner.abstract
     allowed = {type(v) for v in flatten_state(nnx.state(float_model)).values()}
     quantized_model = nnx_.runner.abstract
@@ -261,7 +254,7 @@ def check_quant_checkpoint(case: Case, workdir: Path) -> None:
     and the restored model's forward must equal the saved model's exactly.
     """
     quant = case.quant
-    linen, nnx_, _ = quantized_pair(case)
+    linen, nnx_ = quantized_pair(case)
     batch = case.batch()
     for side in (linen, nnx_):
         runner = side.runner

@@ -14,12 +14,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance.checks.declare import ON_MESH, Axis, declare
-from conformance.checks.kernel import agreed_specs, misplaced, param_map
+from conformance.checks.kernel import agreed_specs, misplaced, paired, structure_problems
 from conformance.contract import Backend, Bridges, Family, declared, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
-from conformance.core.trees import map_paths, structure_diff
+from conformance.core.trees import map_paths
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Side, live_pair, live_sides
 
@@ -42,7 +42,7 @@ def _declares_bridges(family: Family) -> str | None:
     pair=False,
 )
 def check_structure(case: Case) -> dict[str, Any]:
-    """Both sides have the same leaves, shapes and dtypes after the path map.
+    """Both sides have the same leaves, shapes and dtypes in canonical paths and layouts.
 
     Without Linen, only NNX's payload is compared, with the golden.
 
@@ -50,12 +50,13 @@ def check_structure(case: Case) -> dict[str, Any]:
     NNX model's RNG stream variables, which have no Linen counterpart and which train
     states leave out (see :mod:`conformance.runtime.train_state`).
     """
-    *others, nnx_ = (side.runner for side in live_sides(case))
-    for linen in others:
-        rules = case.family.path_rules(case.bound)
-        mapping = map_paths(rules, linen.specs)
+    *others, nnx_side = live_sides(case)
+    nnx_ = nnx_side.runner
+    for side in others:
+        linen, rules = side.runner, case.family.path_rules(case.bound)
         linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
-        problems = structure_diff(linen.specs, nnx_.specs, mapping, linen_held, nnx_.held)
+        held = (linen_held, nnx_.held)
+        problems = structure_problems((side, linen.specs), nnx_.specs, held)
         counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
         fail_if_any(f"{len(problems)} difference(s) ({counts})", problems)
     return {
@@ -101,7 +102,8 @@ def check_provenance(case: Case) -> None:
 
 
 def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]:
-    return side, side.runner.logical, side.runner.specs
+    """The side with its parameters' logical names and shapes, in canonical paths."""
+    return side, side.canonical(side.runner.logical), side.canonical(side.runner.specs)
 
 
 @declare(ON_MESH, golden=True, pair=False, suite="sharding")
@@ -132,12 +134,12 @@ def check_sharding(case: Case) -> dict[str, Any]:
         )
     sides = live_sides(case)
     nnx_ = sides[-1]
-    mapping = param_map(sides[0], nnx_)
-    both = agreed_specs(_parameters(sides[0]), _parameters(nnx_), mapping, rules)
-    nnx_specs = both[1]
+    paired(sides[0], nnx_)
+    canonical = {path: path for path in nnx_.runner.specs}
+    nnx_specs = agreed_specs(_parameters(sides[0]), _parameters(nnx_), canonical, rules)[1]
     if case.devices is not None:
-        for side, specs in zip(sides, both, strict=False):
-            _check_placement(side, specs)
+        for side in sides:
+            _check_placement(side, side.case.specs(side.runner.logical, rules))
     return {
         "mesh": dict(case.mesh.axes),
         "leaves": {
@@ -164,11 +166,11 @@ def check_init(case: Case) -> None:
     distributions must. A leaf constant on one side must equal the other exactly.
     """
     linen, nnx_ = live_pair(case)
-    mapping = param_map(linen, nnx_)
-    a, b = linen.init(0), nnx_.init(0)
+    paired(linen, nnx_)
+    a, b = linen.canonical(linen.init(0)), nnx_.init(0)
     problems = []
-    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
-        x, y = host_array(a[src]).astype(np.float64), host_array(b[dst]).astype(np.float64)
+    for dst in sorted(b):
+        x, y = host_array(a[dst]).astype(np.float64), host_array(b[dst]).astype(np.float64)
         n = x.size
         (mx, sx), (my, sy) = (x.mean(), x.std()), (y.mean(), y.std())
         if sx == 0 or sy == 0:

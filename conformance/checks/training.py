@@ -19,7 +19,7 @@ from conformance.checks.declare import ON_MESH, Axis, Param, declare
 from conformance.checks.kernel import (
     DROPOUT_RATE,
     misplaced,
-    param_map,
+    paired,
     steps_agree,
     train_pair,
     train_step_parity,
@@ -33,7 +33,6 @@ from conformance.core.sharding import indivisible, spec_to_json
 from conformance.core.trees import (
     Flat,
     flatten_state,
-    map_state_paths,
     restack,
     specs,
     structure_diff,
@@ -317,19 +316,17 @@ def check_optimizer_sharding(case: Case) -> dict[str, Any]:
     """
     linen, nnx_ = live_pair(case)
     lt, nt = linen.trainer(), nnx_.trainer()
-    mapping = map_state_paths(param_map(linen, nnx_), lt.logical)
-    linen_specs, nnx_specs = case.specs(lt.logical), case.specs(nt.logical)
+    paired(linen, nnx_)
+    linen_specs, nnx_specs = case.specs(linen.canonical(lt.logical)), case.specs(nt.logical)
     shapes = specs(flat_state(nt.abstract_state))
     problems = []
-    for src, dst in sorted(mapping.items(), key=lambda kv: kv[1]):
-        if not dst.startswith("optimizer/"):
-            continue
+    for dst in sorted(p for p in linen_specs if p.startswith("optimizer/")):
         if dst not in nnx_specs:
-            problems.append(f"{dst}: Linen has it (as {src}); NNX does not")
+            problems.append(f"{dst}: Linen has it; NNX does not")
             continue
-        if linen_specs[src] != nnx_specs[dst]:
+        if linen_specs[dst] != nnx_specs[dst]:
             problems.append(
-                f"{dst}: Linen {linen_specs[src]} != NNX {nnx_specs[dst]} "
+                f"{dst}: Linen {linen_specs[dst]} != NNX {nnx_specs[dst]} "
                 f"(NNX logical {nt.logical[dst]})"
             )
         for dim, size, shards in indivisible(shapes[dst].shape, nnx_specs[dst], case.mesh):

@@ -45,6 +45,7 @@ from conformance.contract.features import (
     VocabTiling,
     with_features,
 )
+from conformance.contract.transforms import LeafTransform, Reshape, Split, Stack, Transpose
 from conformance.contract.validate import problems, validate
 from conformance.contract.values import (
     DECODE_STYLES,
@@ -83,6 +84,7 @@ __all__ = [
     "FirstEditionWarning",
     "Fp8",
     "Layouts",
+    "LeafTransform",
     "LogicalRules",
     "DECODE_STYLES",
     "PREDICTIONS",
@@ -93,6 +95,10 @@ __all__ = [
     "Recorded",
     "Release",
     "Remat",
+    "Reshape",
+    "Split",
+    "Stack",
+    "Transpose",
     "VocabTiling",
     "aux_losses",
     "builtin",

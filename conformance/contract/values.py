@@ -14,11 +14,15 @@ from typing import Any, NamedTuple
 
 import jax
 
+from conformance.contract.transforms import LeafTransform
+
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 """Logical-axis rules, ``(logical_name, mesh_axis or axes or None)``, first match wins."""
 
-PathRules = Sequence[tuple[str, str]]
-"""Regex rewrites ``(pattern, replacement)`` taking a Linen parameter path to its NNX path."""
+PathRules = Sequence[tuple[str, str] | LeafTransform]
+"""Rules taking Linen parameter paths to NNX ones, tried in order: regex rewrites
+``(pattern, replacement)``, and leaf transforms (:mod:`conformance.contract.transforms`)
+that change a leaf's layout too."""
 
 QUANTIZATION_MODES = ("qat_int8", "qat_fp8", "ptq_int8", "ptq_fp8")
 """The Qwix modes a family may declare: QAT (fake-quantized forward over float

@@ -36,8 +36,8 @@ SEAMS: Mapping[str, str] = MappingProxyType(
         "serving loop feeds decode step ``step`` at",
         "qwix_strip_transients": "``(model) -> None``: what is removed from an NNX model "
         "after Qwix's tracing forward (every ``nnx.Intermediate``)",
-        "convert_rename": "``(state, mapping) -> state``: how checkpoint conversion renames "
-        "a flat state's paths",
+        "convert_paths": "``(state, to) -> state``: how checkpoint conversion moves a flat "
+        "state to other paths and layouts (``to`` is a leaf map's ``canonical`` or ``own``)",
         "convert_restack": "``(flat, table, to_scan, axis) -> flat``: how checkpoint "
         "conversion stacks or splits layers",
         "convert_cast_counters": "``(state, target layout) -> state``: how checkpoint "

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from conformance.contract import PathRules
+from conformance.contract import LeafTransform, PathRules, Stack
 from conformance.core.distributed import host_array
 
 Flat = dict[str, Any]
@@ -81,17 +81,24 @@ def map_paths(rules: PathRules, linen_paths: Iterable[str]) -> dict[str, str]:
 
     The first rule whose pattern matches rewrites the path; a path no rule matches maps to
     itself. Two Linen paths that land on one NNX path raise :class:`PathMapError`, since
-    the map must be one-to-one.
+    the map must be one-to-one, and so does a path a leaf transform takes: a name alone
+    cannot say how its values move (:mod:`conformance.core.leafmap` can).
     """
-    compiled = [(re.compile(pattern), repl) for pattern, repl in rules]
+    compiled = [(rule_patterns(rule), rule) for rule in rules]
     mapping: dict[str, str] = {}
     seen: dict[str, str] = {}
     for path in linen_paths:
         target = path
-        for pattern, repl in compiled:
-            if pattern.search(path):
-                target = pattern.sub(repl, path, count=1)
-                break
+        for patterns, rule in compiled:
+            found = next((p for p in patterns if p.search(path)), None)
+            if found is None:
+                continue
+            if not isinstance(rule, tuple):
+                raise PathMapError(
+                    f"{rule} changes the layout of {path}; this tree is mapped by name only"
+                )
+            target = found.sub(rule[1], path, count=1)
+            break
         if target in seen:
             raise PathMapError(
                 f"path rules map both {seen[target]!r} and {path!r} to {target!r}; "
@@ -100,6 +107,13 @@ def map_paths(rules: PathRules, linen_paths: Iterable[str]) -> dict[str, str]:
         seen[target] = path
         mapping[path] = target
     return mapping
+
+
+def rule_patterns(rule: tuple[str, str] | LeafTransform) -> list[re.Pattern[str]]:
+    """The patterns a path rule matches paths with: a rename's, or a transform's."""
+    if isinstance(rule, tuple):
+        return [re.compile(rule[0])]
+    return [re.compile(p) for p in (rule.parts if isinstance(rule, Stack) else (rule.pattern,))]
 
 
 def check_bijection(mapping: Mapping[str, str], nnx_paths: Iterable[str]) -> None:

@@ -27,11 +27,9 @@ from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
     Flat,
     LeafSpec,
-    check_bijection,
     flatten,
     flatten_state,
     join_path,
-    map_paths,
     refill,
     specs,
     unflatten,
@@ -415,11 +413,3 @@ def linen_runner(family: Family, config: Any, quant: str | None = None) -> Linen
 def nnx_runner(family: Family, config: Any, quant: str | None = None) -> NnxRunner:
     """The NNX runner for ``(family, config, quant)``."""
     return NnxRunner(family, config, quant)
-
-
-def path_map(family: Family, config: Any) -> dict[str, str]:
-    """``{Linen path: NNX path}`` from the family's rules, checked to be a bijection."""
-    linen, nnx_ = linen_runner(family, config), nnx_runner(family, config)
-    mapping = map_paths(family.path_rules(config), linen.specs)
-    check_bijection(mapping, nnx_.specs)
-    return mapping

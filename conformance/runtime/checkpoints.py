@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +29,19 @@ from conformance.contract import Backend, Family
 from conformance.contract.values import BACKENDS
 from conformance.core import distributed
 from conformance.core.distributed import host_array
+from conformance.core.leafmap import LeafMap
 from conformance.core.seams import seam
 from conformance.core.trees import (
     Flat,
     LeafSpec,
+    PathMapError,
     flatten,
-    map_state_paths,
     specs,
     unflatten,
 )
 from conformance.core.trees import restack as trees_restack
-from conformance.runtime.layouts import canonical_paths, stacking
+from conformance.runtime.layouts import stacking
+from conformance.runtime.paths import checked_leaf_map
 from conformance.runtime.train_state import flat_state
 from conformance.runtime.training import TRAINERS
 
@@ -221,8 +223,11 @@ def restore(
     return seam("checkpoint_restored", lambda tree: tree)(restored)
 
 
-def _rename(state: Flat, mapping: Mapping[str, str]) -> Flat:
-    return {mapping.get(path, path): value for path, value in state.items()}
+def _move(state: Flat, to: Callable[[Flat], Flat]) -> Flat:
+    try:
+        return to(state)
+    except PathMapError as err:
+        raise CheckpointError(f"cannot move the state's leaves: {err}") from err
 
 
 def convert(
@@ -235,12 +240,12 @@ def convert(
     moments on one axis, persistent state on another), and then goes to the target
     backend's paths; counters pass through unchanged.
     """
-    rename = seam("convert_rename", _rename)
+    move = seam("convert_paths", _move)
     restack = seam("convert_restack", trees_restack)
     src_config = family.config(source.size, scan_layers=source.scan_layers)
     dst_config = family.config(source.size, scan_layers=scan_layers)
     if Backend(source.backend) is Backend.LINEN:
-        state = rename(state, map_state_paths(canonical_paths(family, src_config), state))
+        state = move(state, _leaf_map(family, src_config).canonical)
     if source.scan_layers != scan_layers:
         loop, scan = (family.config(source.size, scan_layers=s) for s in (False, True))
         tables = stacking(family, loop, scan)
@@ -248,12 +253,18 @@ def convert(
         if tables.state:
             state = restack(state, tables.state, scan_layers, tables.state_axis)
     if Backend(backend) is Backend.LINEN:
-        to_linen = {v: k for k, v in canonical_paths(family, dst_config).items()}
-        state = rename(state, map_state_paths(to_linen, state))
+        state = move(state, _leaf_map(family, dst_config).own)
     state = seam("convert_cast_counters", cast_counters)(
         state, expected_layout(family, dst_config, backend)
     )
     return state, dataclasses.replace(source, backend=backend, scan_layers=scan_layers)
+
+
+def _leaf_map(family: Family, config: Any) -> LeafMap:
+    try:
+        return checked_leaf_map(family, config)
+    except PathMapError as err:
+        raise CheckpointError(f"cannot convert {family.name}: {err}") from err
 
 
 def expected_layout(family: Family, config: Any, backend: Backend) -> dict[str, LeafSpec]:

@@ -15,14 +15,14 @@ import dataclasses
 from typing import Any
 
 from conformance.contract import Family, Layouts, declared
-from conformance.core.trees import layer_table, map_paths
+from conformance.core.trees import layer_table
 from conformance.runtime.backends import (
     LinenRunner,
     linen_runner,
     nnx_runner,
-    path_map,
     persistent_collections,
 )
+from conformance.runtime.paths import canonical_paths
 
 Table = dict[str, list[str]]
 """``{scanned path: per-layer paths in layer order}``."""
@@ -61,15 +61,6 @@ def stacking(family: Family, loop_config: Any, scan_config: Any) -> Stacking:
         for table in tables
     )
     return Stacking(params, state, *axes)
-
-
-def canonical_paths(family: Family, config: Any) -> dict[str, str]:
-    """``{Linen path: canonical path}`` of ``config``'s parameters and persistent state.
-
-    The parameters' map is checked to be a bijection onto NNX's (:func:`path_map`).
-    """
-    persistent = _persistent(family, linen_runner(family, config))
-    return path_map(family, config) | map_paths(family.path_rules(config), persistent)
 
 
 def _persistent(family: Family, linen: LinenRunner) -> list[str]:

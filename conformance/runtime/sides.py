@@ -7,9 +7,10 @@ runs its forward, its train steps and its decoding. :class:`LinenSide` and
 same side on the one-device case (:meth:`Side.reference`). A new kind of side (numbers
 recorded from an earlier run) is a new subclass, never a branch in a check.
 
-A side's trees are flat ``{path: array}`` dicts in its own paths. :meth:`Side.canonical`
-renames them to the canonical paths (the NNX ones) that comparisons are keyed by, and
-:meth:`Side.receive` takes another side's parameters into its own.
+A side's trees are flat ``{path: array}`` dicts in its own paths and layouts.
+:meth:`Side.canonical` takes them to the canonical paths and layouts (the NNX ones) that
+comparisons are keyed by, through the side's :class:`~conformance.core.leafmap.LeafMap`,
+and :meth:`Side.receive` takes another side's parameters into its own.
 """
 
 from __future__ import annotations
@@ -22,13 +23,9 @@ from jax.sharding import NamedSharding
 
 from conformance.contract import Backend
 from conformance.core.failure import fail
+from conformance.core.leafmap import LeafMap, build
 from conformance.core.sharding import Logical
-from conformance.core.trees import (
-    Flat,
-    PathMapError,
-    map_paths,
-    map_state_paths,
-)
+from conformance.core.trees import Flat, PathMapError
 from conformance.runtime.aqt import AqtModel, LinenAqt, NnxAqt, linen_aqt, nnx_aqt
 from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, linen_runner, nnx_runner
 from conformance.runtime.case import BATCH_SIZE, Case
@@ -80,8 +77,8 @@ class Side(abc.ABC):
         """The model in AQT convert and serve modes."""
 
     @abc.abstractmethod
-    def param_paths(self) -> dict[str, str]:
-        """``{own parameter path: canonical path}``, checked to be one-to-one."""
+    def leaf_map(self) -> LeafMap:
+        """How each own parameter moves to its canonical path and layout, one-to-one."""
 
     def reference(self) -> Side:
         """The same side on the one-device counterpart of the case's mesh."""
@@ -96,14 +93,22 @@ class Side(abc.ABC):
         return self.on(self.case.quantized(None))
 
     def canonical(self, flat: Flat) -> Flat:
-        """``flat`` keyed by canonical paths: parameters, and state leaves mirroring them."""
-        mapping = map_state_paths(self.param_paths(), flat)
-        return {mapping[path]: value for path, value in flat.items()}
+        """``flat`` in canonical paths and layouts: parameters, and state mirroring them.
+
+        Any kind of leaf moves (arrays, shapes, logical names, kinds); see
+        :meth:`LeafMap.canonical <conformance.core.leafmap.LeafMap.canonical>`.
+        """
+        try:
+            return self.leaf_map().canonical(flat)
+        except PathMapError as err:
+            fail(f"{self.name}: {err}")
 
     def own(self, flat: Flat) -> Flat:
-        """``flat``, keyed by canonical paths, in this side's own paths."""
-        mapping = map_state_paths({v: k for k, v in self.param_paths().items()}, flat)
-        return {mapping[path]: value for path, value in flat.items()}
+        """``flat``, in canonical paths and layouts, in this side's own."""
+        try:
+            return self.leaf_map().own(flat)
+        except PathMapError as err:
+            fail(f"{self.name}: {err}")
 
     def shardings(self, logical: dict[str, Logical] | None = None) -> dict[str, NamedSharding]:
         """Shardings on the case's devices for ``logical`` (default: the parameters')."""
@@ -183,18 +188,21 @@ class LinenSide(Side):
         """The Linen model in AQT convert and serve modes."""
         return linen_aqt(self.case.family, self.case.bound)
 
-    def param_paths(self) -> dict[str, str]:
-        """The family's path rules applied to every Linen parameter.
+    def leaf_map(self) -> LeafMap:
+        """The family's path rules bound to every Linen parameter.
 
         Values a train state keeps beside the parameters (the ``_overwrite_with_gradient``
-        collection, persistent state) map by the same rules. Two leaves mapped to one path
-        fail the check.
+        collection, persistent state) map by the same rules. A rule that does not fit its
+        leaves, or two leaves mapped to one path, fail the check.
         """
         case, runner = self.case, self.runner
-        rules = case.family.path_rules(case.bound)
+        shapes = {
+            p: s.shape
+            for leaves in (runner.specs, *runner.kept.values())
+            for p, s in leaves.items()
+        }
         try:
-            kept = [map_paths(rules, leaves) for leaves in runner.kept.values()]
-            return map_paths(rules, runner.specs) | {k: v for m in kept for k, v in m.items()}
+            return build(case.family.path_rules(case.bound), shapes)
         except PathMapError as err:
             fail(str(err))
 
@@ -232,9 +240,9 @@ class NnxSide(Side):
         """The NNX model in AQT convert and serve modes."""
         return nnx_aqt(self.case.family, self.case.bound)
 
-    def param_paths(self) -> dict[str, str]:
-        """Identity: NNX paths are canonical."""
-        return {path: path for path in self.runner.specs}
+    def leaf_map(self) -> LeafMap:
+        """Identity: NNX paths and layouts are canonical."""
+        return build((), {path: spec.shape for path, spec in self.runner.specs.items()})
 
     def canonical(self, flat: Flat) -> Flat:
         """``flat`` unchanged: NNX paths are canonical."""

@@ -24,14 +24,13 @@ from conformance_models.llama.family import LlamaFamily
 from tests.faults.fault import Fault, Llama
 
 
-def drops_final_norm(state, mapping):
-    """The converter's rename step, losing every ``final_norm/scale`` leaf."""
-    renamed = {mapping.get(p, p): v for p, v in state.items()}
-    return {p: v for p, v in renamed.items() if not p.endswith("final_norm/scale")}
+def drops_final_norm(state, to):
+    """The converter's path step, losing every ``final_norm/scale`` leaf."""
+    return {p: v for p, v in to(state).items() if not p.endswith("final_norm/scale")}
 
 
-def swaps_moments(state, mapping):
-    """The converter's rename step, writing Adam's mu as nu and nu as mu."""
+def swaps_moments(state, to):
+    """The converter's path step, writing Adam's mu as nu and nu as mu."""
     swap = {"/mu/": "/nu/", "/nu/": "/mu/"}
 
     def swapped(path):
@@ -40,7 +39,7 @@ def swaps_moments(state, mapping):
                 return path.replace(old, new)
         return path
 
-    return {swapped(mapping.get(p, p)): v for p, v in state.items()}
+    return {swapped(p): v for p, v in to(state).items()}
 
 
 def stacks_on_next_axis(flat, table, to_scan, axis=0):
@@ -102,7 +101,7 @@ FAULTS = (
         Llama(),
         "checkpoint_conversion",
         ("model/final_norm/scale: in the target, missing from the checkpoint",),
-        seams={"convert_rename": drops_final_norm},
+        seams={"convert_paths": drops_final_norm},
         params=_CONVERSION,
     ),
     Fault(
@@ -119,7 +118,7 @@ FAULTS = (
         Llama(),
         "checkpoint_conversion",
         ("next train step", "state/optimizer/opt_state/1/0/mu/"),
-        seams={"convert_rename": swaps_moments},
+        seams={"convert_paths": swaps_moments},
         params=_CONVERSION,
     ),
     Fault(
@@ -147,7 +146,7 @@ FAULTS = (
         Llama(),
         "resume_conversion",
         ("step 3 of 4", "NNX resumed from Linen's checkpoint of step 2", "/mu/"),
-        seams={"convert_rename": swaps_moments},
+        seams={"convert_paths": swaps_moments},
     ),
     Fault(
         Llama(),

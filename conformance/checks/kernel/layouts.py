@@ -1,7 +1,7 @@
 """Leaves compared: the parameter map between two sides, placements, specs, round trips.
 
-Every pair of sides shares parameters through :func:`param_map` (checked to be a
-bijection); specs are resolved and compared per leaf (:func:`agreed_specs`), arrays
+Every pair of sides shares parameters in canonical paths and layouts, checked to meet
+one-to-one (:func:`paired`); specs are resolved and compared per leaf (:func:`agreed_specs`), arrays
 checked to be placed as asked (:func:`misplaced`), and a tree saved and restored with
 orbax to come back exactly (:func:`round_trip`).
 """
@@ -19,24 +19,41 @@ from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_trees
 from conformance.core.records import failed
 from conformance.core.sharding import Logical, indivisible, spec_to_json
-from conformance.core.trees import Flat, LeafSpec, PathMapError, check_bijection
+from conformance.core.trees import Flat, LeafSpec, PathMapError, structure_diff
 from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
 from conformance.runtime.sides import Side
 
 
-def param_map(first: Side, second: Side) -> dict[str, str]:
-    """``{first's parameter path: second's}``, checked to be a bijection (else a failure)."""
-    to_second = {canonical: own for own, canonical in second.param_paths().items()}
-    mapping = {
-        own: to_second.get(canonical, canonical)
-        for own, canonical in first.param_paths().items()
-        if own in first.runner.specs
-    }
+def paired(first: Side, second: Side) -> None:
+    """Both sides' parameters meet one-to-one in canonical paths (else a failure).
+
+    Each of ``first``'s parameters (or each slice of one a leaf transform splits) must
+    land on exactly one of ``second``'s canonical parameters, and every one of those must
+    be reached.
+    """
     try:
-        check_bijection(mapping, second.runner.specs)
+        first.leaf_map().check_covers(second.canonical(second.runner.specs), first.runner.specs)
     except PathMapError as err:
         fail(str(err))
-    return mapping
+
+
+def structure_problems(
+    first: tuple[Side, Mapping[str, LeafSpec]],
+    second: Mapping[str, LeafSpec],
+    held: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
+) -> list[str]:
+    """Every leaf of ``first``'s tree and ``second``'s (canonical) that differs, one line each.
+
+    ``first`` is a side with its tree in its own paths; its leaves move to canonical paths
+    and layouts first, and are named by their own paths. ``held`` says what each side
+    holds outside this tree, at canonical paths (see
+    :func:`~conformance.core.trees.structure_diff`).
+    """
+    side, specs = first
+    origins = side.leaf_map().origins()
+    moved = {origins.get(p, p): spec for p, spec in side.canonical(specs).items()}
+    mapping = {origin: path for path, origin in origins.items()}
+    return structure_diff(moved, second, mapping, *held)
 
 
 def shared_params(first: Side, second: Side, start: Flat | None = None) -> tuple[Flat, Flat]:
@@ -45,7 +62,7 @@ def shared_params(first: Side, second: Side, start: Flat | None = None) -> tuple
     ``first``'s are its init from seed 0, or ``start`` (its own paths) when given; the
     path map between the two is checked to be a bijection first.
     """
-    param_map(first, second)
+    paired(first, second)
     params = first.init(0) if start is None else first.place(start)
     return params, second.receive(params, first)
 

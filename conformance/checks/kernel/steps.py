@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from conformance.checks.kernel.layouts import param_map
+from conformance.checks.kernel.layouts import paired
 from conformance.checks.kernel.logits import attributed
 from conformance.core.environment import nondeterminism
 from conformance.core.failure import fail
@@ -47,7 +47,7 @@ def train_pair(
     check, naming every leaf.
     """
     first, second = live_pair(case)
-    param_map(first, second)
+    paired(first, second)
     try:
         a = Training.start(first, start, micro_batches, vocab_tiles)
         b = Training.start(

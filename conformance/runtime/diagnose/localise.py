@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from conformance.contract import Batch, PathRules
 from conformance.core.distributed import host_array, is_multiprocess
 from conformance.core.numerics import Mismatch, compare_arrays
-from conformance.core.trees import Flat, join_path, map_paths
+from conformance.core.trees import Flat, PathMapError, join_path, map_paths
 from conformance.runtime.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
 
 CallKey = tuple[str, str, int]
@@ -210,8 +210,16 @@ def _common_prefix(paths: Sequence[str]) -> str:
     return "/".join(common)
 
 
+def _renamed(rules: PathRules, module: str) -> str:
+    """``module`` under the family's path rules; itself where a leaf transform takes it."""
+    try:
+        return map_paths(rules, [module])[module]
+    except PathMapError:
+        return module
+
+
 def module_pairs(
-    mapping: Mapping[str, str],
+    leaves: Sequence[tuple[str, str]],
     rules: PathRules,
     linen_modules: Sequence[str],
     nnx_modules: Sequence[str],
@@ -219,20 +227,23 @@ def module_pairs(
     """``{Linen module path: NNX module path}`` for every module that has a counterpart.
 
     A module holding parameters pairs with the NNX module that holds exactly their
-    images under ``mapping``; one holding none pairs by the family's path rules applied
-    to its path, or by the same path.
+    images among ``leaves`` (``(Linen leaf path, NNX leaf path)`` pairs); one holding none
+    pairs by the family's renames applied to its path, or by the same path. An NNX
+    module pairs with one Linen module at most, the outermost (a Linen leaf split
+    across an NNX module's leaves pairs the module holding it, not its own).
     """
     nnx_set = set(nnx_modules)
     pairs = {}
     for module in linen_modules:
-        images = [dst for src, dst in mapping.items() if _under(module, src)]
+        images = [dst for src, dst in leaves if _under(module, src)]
         if images:
             target = _common_prefix([_parent(p) for p in images])
-            owned = [p for p in mapping.values() if _under(target, p)]
-            if target in nnx_set and sorted(owned) == sorted(images):
+            owned = [p for _, p in leaves if _under(target, p)]
+            claimed = target in pairs.values()
+            if target in nnx_set and sorted(owned) == sorted(images) and not claimed:
                 pairs[module] = target
             continue
-        for candidate in (map_paths(rules, [module])[module], module):
+        for candidate in (_renamed(rules, module), module):
             if candidate in nnx_set:
                 pairs[module] = candidate
                 break
@@ -295,13 +306,13 @@ class Divergence:
 def first_divergence(
     linen: Recorder,
     nnx_: Recorder,
-    mapping: Mapping[str, str],
+    leaves: Sequence[tuple[str, str]],
     rules: PathRules,
 ) -> Divergence | str:
     """The first paired call whose inputs agree and output diverges, or why there is none."""
     linen_modules = sorted({path for path, _, _ in linen.calls})
     nnx_modules = sorted({path for path, _, _ in nnx_.calls})
-    pairs = module_pairs(mapping, rules, linen_modules, nnx_modules)
+    pairs = module_pairs(leaves, rules, linen_modules, nnx_modules)
     ordered = sorted(linen.calls.items(), key=lambda kv: (kv[0][2], kv[1].order))
     compared = agreed = 0
     for (path, method, count), call in ordered:
@@ -339,7 +350,7 @@ def localise(
     linen_params: Flat,
     nnx_params: Flat,
     batch: Batch,
-    mapping: Mapping[str, str],
+    leaves: Sequence[tuple[str, str]],
     rules: PathRules,
 ) -> Divergence | str:
     """The first divergent module of a forward between the two sides, or why none was found.
@@ -357,7 +368,7 @@ def localise(
         found = first_divergence(
             record_linen(linen, linen_params, batch),
             record_nnx(nnx_, nnx_params, batch),
-            mapping,
+            leaves,
             rules,
         )
     except Exception as err:  # localisation is advice: never a second failure
