@@ -2,14 +2,16 @@
 
 ``toyzoo`` is a third-party package (its own Linen and NNX modules, nothing from this
 repository's built-in families) installed as a throwaway distribution whose entry
-points register five families: ``toy-minimal`` declares no optional capability,
+points register six families: ``toy-minimal`` declares no optional capability,
 ``toy-full`` declares layouts, remat, dropout, decode (MaxText's prefill style) and Qwix
 QAT, ``toy-lm`` is written as Flax's examples are (decoding token by token through its
 ``decode_config``, logits that predict the current token), ``toy-moe`` is a mixture
 of experts sharded on ``expert`` that sows a load-balancing loss, and ``toy-fn`` takes
-and returns its KV cache as a value (a ``CacheAsValue``) and is quantized by Qwix PTQ.
+and returns its KV cache as a value (a ``CacheAsValue``) and is quantized by Qwix PTQ;
+``toy-stacked`` is ``toy-fn`` with two projections stacked in one Linen leaf, mapped to
+two NNX kernels by a ``Split`` leaf transform.
 Its ``conformance.checks`` entry point registers a check of its own, ``logits_bounded``.
-The suite runs on all five at the smoke tier, in a fresh process, exactly as a zoo's CI
+The suite runs on all six at the smoke tier, in a fresh process, exactly as a zoo's CI
 would: goldens are written first, then the whole suite must pass, and every skip must
 carry a reason.
 """
@@ -24,13 +26,14 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-FAMILIES = ("toy-minimal", "toy-full", "toy-lm", "toy-moe", "toy-fn")
+FAMILIES = ("toy-minimal", "toy-full", "toy-lm", "toy-moe", "toy-fn", "toy-stacked")
 ENTRY_POINTS = """[conformance.families]
 toy-minimal = toyzoo.families:ToyMinimal
 toy-full = toyzoo.families:ToyFull
 toy-lm = toyzoo.families:ToyLm
 toy-moe = toyzoo.families:ToyMoe
 toy-fn = toyzoo.families:ToyFn
+toy-stacked = toyzoo.stacked:ToyStacked
 
 [conformance.checks]
 logits_bounded = toyzoo.checks:check_logits_bounded
@@ -142,6 +145,17 @@ def test_the_value_cache_zoo_decodes_and_quantizes(zoo_run):
     assert {"decode_cache", "decode_consistency", "decode", "quant_forward"} <= fn
     golden = next((project / "goldens" / "toy-fn" / "decode_cache").glob("*.json")).read_text()
     assert '"blocks/0/total"' in golden
+
+
+def test_a_stacked_leaf_maps_to_two_kernels_through_every_check(zoo_run):
+    _, junit, project = zoo_run
+    stacked = checks_run(junit, "toy-stacked")
+    compared = {"structure", "sharding", "init", "forward", "train_step", "optimizer_sharding"}
+    quantized = {"quant_params", "quant_forward", "quant_checkpoint"}
+    kept = {"checkpoint_conversion", "checkpoint_roundtrip", "decode", "decode_cache"}
+    assert compared | quantized | kept <= stacked
+    golden = (project / "goldens" / "toy-stacked" / "quant_params").glob("*.json")
+    assert '"blocks/0/up/kernel/array/scale"' in next(golden).read_text()
 
 
 def test_the_first_edition_zoo_is_shown_the_second_edition_spelling(zoo_run):

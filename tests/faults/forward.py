@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from conformance_models.llama.family import LlamaFamily
 from tests.contract.toyzoo.families import ToyMinimal
+from tests.contract.toyzoo.stacked import ToyStacked
 from tests.faults.fault import Fault, NnxConfigFault
 
 
@@ -40,6 +41,17 @@ class ToyNormEpsilon(ToyMinimal):
         model = super().nnx_module(config, rngs)
         model.blocks[1].norm.epsilon = 1e-2
         return model
+
+
+class SwappedSplit(ToyStacked):
+    """The family's Split sends the stacked leaf's first slice to ``up``, the second to ``gate``.
+
+    Both kernels have one shape, so the structure agrees; the numbers cannot.
+    """
+
+    def path_rules(self, config):
+        split, *rest = super().path_rules(config)
+        return (dataclasses.replace(split, into=split.into[::-1]), *rest)
 
 
 class NanOnOneSide(NnxConfigFault, LlamaFamily):
@@ -92,6 +104,12 @@ FAULTS = (
             "first divergent module: block_1/norm (NNX blocks/1/norm), __call__: "
             "its inputs agree and its output does not",
         ),
+        size="small",
+    ),
+    Fault(
+        SwappedSplit(),
+        "forward",
+        ("logits:", "first divergent module: block_0 (NNX blocks/0), __call__"),
         size="small",
     ),
     Fault(NanOnOneSide(), "forward", ("logits:", "non-finite on one side only")),

@@ -87,6 +87,7 @@ class LinenFnBlock(nn.Module):
 
 class LinenFn(nn.Module):
     config: ToyConfig
+    block: type[nn.Module] = LinenFnBlock
 
     @nn.compact
     def __call__(
@@ -103,7 +104,7 @@ class LinenFn(nn.Module):
         new: Cache = {}
         for i in range(cfg.depth):
             name = f"block_{i}"
-            block = LinenFnBlock(cfg, name=name)
+            block = self.block(cfg, name=name)
             x, new[name] = block(x, segment_ids, None if cache is None else cache[name])
         logits = linen_head(cfg.vocab, cfg.dtype)(x)
         return logits if cache is None else (logits, new)
@@ -128,9 +129,9 @@ class NnxFnBlock(nnx.Module):
 
 
 class NnxFn(nnx.Module):
-    def __init__(self, config: ToyConfig, rngs: nnx.Rngs) -> None:
+    def __init__(self, config: ToyConfig, rngs: nnx.Rngs, block: type = NnxFnBlock) -> None:
         self.embed = nnx_embed(config.vocab, config.width, config.dtype, rngs)
-        self.blocks = nnx.List([NnxFnBlock(config, rngs=rngs) for _ in range(config.depth)])
+        self.blocks = nnx.List([block(config, rngs=rngs) for _ in range(config.depth)])
         self.head = nnx_head(config.width, config.vocab, config.dtype, rngs)
 
     def __call__(
