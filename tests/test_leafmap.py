@@ -1,5 +1,7 @@
 """Leaf transforms: each moves values, shapes and logical names, and comes back exactly."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -161,3 +163,31 @@ def test_an_abstract_arrays_mesh_axes_move_with_its_shape():
     moved = leaf_map.canonical(abstract)["mlp/wi_1/kernel"]
     assert moved.shape == (4, 6)
     assert moved.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+
+
+def test_size_one_axes_hold_no_name_through_a_reshape():
+    squeeze = build((Reshape("^w$", "w", (6,)),), {"w": (1, 6)})
+    assert squeeze.canonical({"w": (None, "embed")}) == {"w": ("embed",)}
+    expand = build((Reshape("^w$", "w", (1, 6)),), {"w": (6,)})
+    assert expand.canonical({"w": ("embed",)}) == {"w": (None, "embed")}
+    middle = build((Reshape("^w$", "w", (4, 6)),), {"w": (4, 1, 6)})
+    assert middle.canonical({"w": ("embed", None, "mlp")}) == {"w": ("embed", "mlp")}
+
+
+def test_a_stack_given_one_part_twice_or_an_axis_out_of_range_is_named():
+    twice = Stack((r"^(\w+)/k/kernel$", r"^(\w+)/v/kernel$"), r"\1/kv/kernel")
+    shapes = {"a/k/kernel": (2,), "a/v/kernel": (2,)}
+    with pytest.raises(PathMapError, match="stacks both"):
+        build((Stack((r"^\w/k/x$", r"^\w/v/x$"), "kv"),), {"a/k/x": (2,), "b/k/x": (2,)})
+    with pytest.raises(PathMapError, match="on that axis"):
+        build((dataclasses.replace(twice, axis=3),), shapes)
+
+
+def test_rules_given_as_lists_work_as_tuples():
+    rules = [["^emb/", "embed/"], Split(r"(.*)/wi/kernel$", [r"\1/a", r"\1/b"])]
+    leaf_map = build(rules, {"emb/x": (3,), "mlp/wi/kernel": (2, 3)})
+    assert sorted(leaf_map.canonical({"emb/x": 1, "mlp/wi/kernel": "kind"})) == [
+        "embed/x",
+        "mlp/a",
+        "mlp/b",
+    ]

@@ -36,3 +36,8 @@ def test_a_split_leaf_pairs_its_module_with_the_module_holding_every_slice():
     leaves = [("mlp/wi/kernel", "mlp/wi_0/kernel"), ("mlp/wi/kernel", "mlp/wi_1/kernel")]
     split = (Split(r"/wi/kernel$", ("/wi_0/kernel", "/wi_1/kernel")),)
     assert module_pairs(leaves, split, ["mlp", "mlp/wi"], ["mlp", "mlp/wi_0"]) == {"mlp": "mlp"}
+
+
+def test_a_wrapper_and_its_one_child_leave_the_child_paired_with_its_namesake():
+    leaves = [("attn/q/kernel", "attn/q/kernel")]
+    assert module_pairs(leaves, (), ["attn", "attn/q"], ["attn", "attn/q"]) == {"attn/q": "attn/q"}

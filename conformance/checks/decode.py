@@ -194,7 +194,10 @@ def check_decode(case: Case) -> None:
     mesh = case.mesh
     served = serve_both(case)
     linen, nnx_ = (s.generation for s in served)
-    cache_map = map_paths(case.family.path_rules(case.bound), linen.caches[0])
+    try:
+        cache_map = map_paths(case.family.path_rules(case.bound), linen.caches[0])
+    except PathMapError as err:
+        fail(str(err))
     tol = tolerance_for(linen.prefill_logits.dtype)
     names = (served[0].side, served[1].side)
     prefills = (

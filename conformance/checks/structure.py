@@ -19,7 +19,7 @@ from conformance.contract import Backend, Bridges, Family, declared, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.sharding import spec_to_json
-from conformance.core.trees import map_paths
+from conformance.core.trees import PathMapError, map_paths
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Side, live_pair, live_sides
 
@@ -54,7 +54,10 @@ def check_structure(case: Case) -> dict[str, Any]:
     nnx_ = nnx_side.runner
     for side in others:
         linen, rules = side.runner, case.family.path_rules(case.bound)
-        linen_held = {map_paths(rules, [path])[path]: held for path, held in linen.held.items()}
+        try:
+            linen_held = {map_paths(rules, [p])[p]: held for p, held in linen.held.items()}
+        except PathMapError as err:
+            fail(f"what Linen holds beside its parameters: {err}")
         held = (linen_held, nnx_.held)
         problems = structure_problems((side, linen.specs), nnx_.specs, held)
         counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"

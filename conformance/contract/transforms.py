@@ -17,6 +17,12 @@ rules are tried in order and the first whose pattern matches a path takes it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+
+def _as_tuple(rule: Any, field: str) -> None:
+    """Hold ``rule``'s ``field`` as a tuple, however given (a rule is hashable)."""
+    object.__setattr__(rule, field, tuple(getattr(rule, field)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +36,9 @@ class Split:
     pattern: str
     into: tuple[str, ...]
     axis: int = 0
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "into")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +54,9 @@ class Stack:
     into: str
     axis: int = 0
 
+    def __post_init__(self) -> None:
+        _as_tuple(self, "parts")
+
 
 @dataclasses.dataclass(frozen=True)
 class Transpose:
@@ -56,6 +68,9 @@ class Transpose:
     pattern: str
     into: str
     perm: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "perm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +85,9 @@ class Reshape:
     pattern: str
     into: str
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "shape")
 
 
 LeafTransform = Split | Stack | Transpose | Reshape

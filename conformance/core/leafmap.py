@@ -145,7 +145,12 @@ def build(rules: PathRules, shapes: Mapping[str, Shape]) -> LeafMap:
                 continue
             if isinstance(rule, Stack):
                 target = patterns[part].sub(rule.into, path, count=1)
-                stacks.setdefault((index, target), {})[part] = path
+                parts = stacks.setdefault((index, target), {})
+                if part in parts:
+                    raise PathMapError(
+                        f"{rule} stacks both {parts[part]} and {path} as part {part} of {target}"
+                    )
+                parts[part] = path
             else:
                 moves.append(_bound(rule, patterns[0], path, tuple(shape)))
             break
@@ -157,9 +162,10 @@ def build(rules: PathRules, shapes: Mapping[str, Shape]) -> LeafMap:
     return LeafMap(tuple(moves))
 
 
-def _compile(rule: tuple[str, str] | LeafTransform) -> tuple[Any, list[re.Pattern[str]]]:
+def _compile(rule: Sequence[str] | LeafTransform) -> tuple[Any, list[re.Pattern[str]]]:
     """The rule as moves bind it (a rename as its replacement), with its patterns."""
-    return (rule[1] if isinstance(rule, tuple) else rule), rule_patterns(rule)
+    transform = isinstance(rule, (Split, Stack, Transpose, Reshape))
+    return (rule if transform else rule[1]), rule_patterns(rule)
 
 
 def _bound(rule: Any, pattern: re.Pattern[str], path: str, shape: Shape) -> Move:
@@ -191,6 +197,8 @@ def _stacked(rule: Stack, target: str, parts: Mapping[int, str], shapes: Mapping
     found = tuple(tuple(shapes[s]) for s in sources)
     if len(set(found)) != 1:
         raise PathMapError(f"{rule} cannot stack {list(sources)} of shapes {found}")
+    if not -len(found[0]) - 1 <= rule.axis <= len(found[0]):
+        raise PathMapError(f"{rule} cannot stack leaves of shape {list(found[0])} on that axis")
     return Move(sources, (target,), found, rule)
 
 
@@ -314,15 +322,25 @@ def _with_shape(
 def _renamed(names: tuple[Any, ...], source: Shape, target: Shape) -> tuple[Any, ...]:
     """Logical names of ``source``'s axes carried to ``target``'s, group by group.
 
-    Axes are grouped where their sizes multiply to the same (``[D, H*K]`` and ``[D, H,
-    K]``). A split axis's name goes to the group's major axis; merged axes keep their
-    major axis's name, and only when none of the others has one.
+    Axes of size 1 hold no name on either side. The others are grouped where their
+    sizes multiply to the same (``[D, H*K]`` and ``[D, H, K]``): a split axis's name goes
+    to the group's major axis; merged axes keep their major axis's name, and only when
+    none of the others has one.
     """
+    kept = [(n, d) for n, d in zip(names, source, strict=True) if d != 1]
+    inner = [d for d in target if d != 1]
+    carried = iter(_grouped([n for n, _ in kept], [d for _, d in kept], inner, names, source))
+    return tuple(None if d == 1 else next(carried) for d in target)
+
+
+def _grouped(
+    names: list[Any], source: list[int], target: list[int], given: Any, shape: Shape
+) -> list[Any]:
     result: list[Any] = []
     i = j = 0
-    while i < len(source) or j < len(target):
+    while i < len(source):
         group_in, group_out = [i], [j]
-        a, b = source[i] if i < len(source) else 1, target[j] if j < len(target) else 1
+        a, b = source[i], target[j]
         while a != b:
             if a < b:
                 i += 1
@@ -332,13 +350,12 @@ def _renamed(names: tuple[Any, ...], source: Shape, target: Shape) -> tuple[Any,
                 j += 1
                 group_out.append(j)
                 b *= target[j]
-        given = [names[k] for k in group_in if k < len(source)]
-        if any(n is not None for n in given[1:]):
+        if any(names[k] is not None for k in group_in[1:]):
+            merged = [names[k] for k in group_in]
             raise PathMapError(
-                f"logical names {names} cannot follow a reshape {list(source)} -> "
-                f"{list(target)}: axes {given} merge into one"
+                f"logical names {given} cannot follow a reshape of {list(shape)}: axes named "
+                f"{merged} merge into one"
             )
-        outs = [k for k in group_out if k < len(target)]
-        result += [given[0] if given and k == outs[0] else None for k in outs]
+        result += [names[group_in[0]], *[None] * (len(group_out) - 1)]
         i, j = i + 1, j + 1
-    return tuple(result)
+    return result

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from conformance.contract import LeafTransform, PathRules, Stack
+from conformance.contract import LeafTransform, PathRules, Reshape, Split, Stack, Transpose
 from conformance.core.distributed import host_array
 
 Flat = dict[str, Any]
@@ -93,7 +93,7 @@ def map_paths(rules: PathRules, linen_paths: Iterable[str]) -> dict[str, str]:
             found = next((p for p in patterns if p.search(path)), None)
             if found is None:
                 continue
-            if not isinstance(rule, tuple):
+            if isinstance(rule, (Split, Stack, Transpose, Reshape)):
                 raise PathMapError(
                     f"{rule} changes the layout of {path}; this tree is mapped by name only"
                 )
@@ -109,11 +109,13 @@ def map_paths(rules: PathRules, linen_paths: Iterable[str]) -> dict[str, str]:
     return mapping
 
 
-def rule_patterns(rule: tuple[str, str] | LeafTransform) -> list[re.Pattern[str]]:
+def rule_patterns(rule: Sequence[str] | LeafTransform) -> list[re.Pattern[str]]:
     """The patterns a path rule matches paths with: a rename's, or a transform's."""
-    if isinstance(rule, tuple):
-        return [re.compile(rule[0])]
-    return [re.compile(p) for p in (rule.parts if isinstance(rule, Stack) else (rule.pattern,))]
+    if isinstance(rule, Stack):
+        return [re.compile(p) for p in rule.parts]
+    if isinstance(rule, (Split, Transpose, Reshape)):
+        return [re.compile(rule.pattern)]
+    return [re.compile(rule[0])]
 
 
 def check_bijection(mapping: Mapping[str, str], nnx_paths: Iterable[str]) -> None:

@@ -248,7 +248,10 @@ def convert(
         state = move(state, _leaf_map(family, src_config).canonical)
     if source.scan_layers != scan_layers:
         loop, scan = (family.config(source.size, scan_layers=s) for s in (False, True))
-        tables = stacking(family, loop, scan)
+        try:
+            tables = stacking(family, loop, scan)
+        except PathMapError as err:
+            raise CheckpointError(f"cannot restack {family.name}: {err}") from err
         state = restack(state, tables.params, scan_layers, tables.axis)
         if tables.state:
             state = restack(state, tables.state, scan_layers, tables.state_axis)

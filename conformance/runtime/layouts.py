@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from conformance.contract import Family, Layouts, declared
-from conformance.core.trees import layer_table
+from conformance.core.trees import PathMapError, layer_table
 from conformance.runtime.backends import (
     LinenRunner,
     linen_runner,
@@ -56,6 +56,14 @@ def stacking(family: Family, loop_config: Any, scan_config: Any) -> Stacking:
     rules, linen = family.layer_stack_rules(loop_config), linen_runner(family, loop_config)
     loop, scan = canonical_paths(family, loop_config), canonical_paths(family, scan_config)
     tables = (layer_table(rules, linen.specs), layer_table(rules, _persistent(family, linen)))
+    moved = sorted(
+        p for table in tables for layers in table.values() for p in layers if p not in loop
+    )
+    if moved:
+        raise PathMapError(
+            f"{family.name}'s layer_stack_rules (Linen paths) take {moved[0]}, which a leaf "
+            "transform moves: state them in canonical paths, Layouts(stack=...)"
+        )
     params, state = (
         {scan.get(s, s): [loop.get(p, p) for p in layers] for s, layers in table.items()}
         for table in tables

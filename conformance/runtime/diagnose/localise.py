@@ -229,24 +229,28 @@ def module_pairs(
     A module holding parameters pairs with the NNX module that holds exactly their
     images among ``leaves`` (``(Linen leaf path, NNX leaf path)`` pairs); one holding none
     pairs by the family's renames applied to its path, or by the same path. An NNX
-    module pairs with one Linen module at most, the outermost (a Linen leaf split
-    across an NNX module's leaves pairs the module holding it, not its own).
+    module holding the images of several Linen modules (a wrapper and its one child, or
+    a Linen leaf split across an NNX module's leaves) pairs with the one its path
+    renames to, else the outermost.
     """
     nnx_set = set(nnx_modules)
-    pairs = {}
+    pairs: dict[str, str] = {}
+    claims: dict[str, list[str]] = {}
     for module in linen_modules:
         images = [dst for src, dst in leaves if _under(module, src)]
         if images:
             target = _common_prefix([_parent(p) for p in images])
             owned = [p for _, p in leaves if _under(target, p)]
-            claimed = target in pairs.values()
-            if target in nnx_set and sorted(owned) == sorted(images) and not claimed:
-                pairs[module] = target
+            if target in nnx_set and sorted(owned) == sorted(images):
+                claims.setdefault(target, []).append(module)
             continue
         for candidate in (_renamed(rules, module), module):
             if candidate in nnx_set:
                 pairs[module] = candidate
                 break
+    for target, modules in claims.items():
+        named = [module for module in modules if _renamed(rules, module) == target]
+        pairs[(named or modules)[0]] = target
     return pairs
 
 
