@@ -9,6 +9,7 @@ from types import MappingProxyType, SimpleNamespace
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from conformance import families
@@ -20,6 +21,7 @@ from conformance.contract import (
     declared,
     discovery,
     first_edition_features,
+    persistent_types,
     problems,
     quantization_scope,
     release,
@@ -43,6 +45,7 @@ from conformance.families import (
     FirstEditionWarning,
     Fp8,
     Layouts,
+    PersistentState,
     Qwix,
     Recorded,
     Release,
@@ -601,6 +604,30 @@ def test_first_edition_abilities_warn_once_with_their_second_edition_spelling():
         "family 'gpt3' declares abilities in the first edition's spelling (Capabilities flags "
         "with hooks); list them in features(): Capabilities(decode=True) -> Decode(); "
     )
+
+
+class FirstEditionPersistent(Gpt3Family):
+    persistent_state = (nnx.BatchStat,)
+
+
+def test_persistent_state_is_imported_only_when_a_check_asks():
+    calls = []
+
+    def types():
+        calls.append(1)
+        return (nnx.BatchStat,)
+
+    family = _declaring(Gpt3Family, PersistentState(types))
+    assert problems(family) == []
+    assert first_edition_features(family) == []
+    assert not calls
+    assert persistent_types(family) == (nnx.BatchStat,)
+    assert calls == [1]
+    assert persistent_types(Gpt3Family()) == ()
+    assert persistent_types(FirstEditionPersistent()) == (nnx.BatchStat,)
+    assert first_edition_features(FirstEditionPersistent()) == [
+        "persistent_state=(BatchStat,) -> PersistentState(lambda: (BatchStat,))"
+    ]
 
 
 def _declaring(base, *features):

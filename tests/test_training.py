@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from conformance import families
-from conformance.contract import AuxLosses, Bridges, with_features
+from conformance.contract import AuxLosses, Bridges, PersistentState, with_features
 from conformance.core.sharding import parse_mesh
 from conformance.runtime.objective import target_weights
 from conformance.runtime.train_state import flat_state, step_streams
@@ -81,7 +81,8 @@ def test_fp8_refuses_micro_batches(trainer):
 class CounterDeclaredPersistent(StrayCounterBesideRngs):
     """The stray counter of the hygiene fault, declared persistent model state."""
 
-    persistent_state = (nnx.BatchStat,)
+    def features(self):
+        return with_features(super().features(), PersistentState(lambda: (nnx.BatchStat,)))
 
 
 def test_hygiene_accepts_declared_persistent_state(tmp_path):
@@ -118,10 +119,9 @@ class CounterBridgedToLinen(LlamaFamily):
     """Linen is the NNX model behind Flax's ``ToLinen`` (as MaxText 0.2.5's Linen is), and
     the model holds a declared persistent counter beside its parameters."""
 
-    persistent_state = (nnx.BatchStat,)
-
     def features(self):
-        return with_features(super().features(), Bridges(linen=1, nnx=0))
+        persistent = PersistentState(lambda: (nnx.BatchStat,))
+        return with_features(super().features(), Bridges(linen=1, nnx=0), persistent)
 
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)

@@ -32,7 +32,7 @@ import numpy as np
 
 from conformance.checks.declare import Axis, F, Param, declare
 from conformance.checks.kernel import quantized_forwards, step_disagreement
-from conformance.contract import preferred_layout
+from conformance.contract import persistent_types, preferred_layout
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
@@ -66,7 +66,7 @@ def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Si
 
 def _persistent(live: Side) -> dict[str, str]:
     """``live``'s declared persistent state (not parameters): canonical path -> its kind."""
-    declared = {kind.__name__ for kind in live.case.family.persistent_state}
+    declared = {kind.__name__ for kind in persistent_types(live.case.family)}
     own = {
         path.removeprefix("model/"): kind
         for path, kind in live.trainer().kinds.items()
@@ -94,9 +94,10 @@ def _params(live: Side, reference: RecordedSide) -> Flat:
 
     A leaf that changed collection since the recording (a parameter that became another
     Variable type of the train state, or the reverse) is named as such first, unless it
-    became the family's declared persistent state (``Family.persistent_state``, as
-    maxtext 0.2.5's MoE routing bias did): that leaf is not a parameter any more, and
-    reaches the live side through the recorded train state (``recorded_resume``).
+    became the family's declared persistent state
+    (:class:`~conformance.contract.PersistentState`, as maxtext 0.2.5's MoE routing bias
+    did): that leaf is not a parameter any more, and reaches the live side through the
+    recorded train state (``recorded_resume``).
     """
     held = set(live.runner.specs)
     persistent = _persistent(live)

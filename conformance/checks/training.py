@@ -24,7 +24,16 @@ from conformance.checks.kernel import (
     train_pair,
     train_step_parity,
 )
-from conformance.contract import AuxLosses, Dropout, Family, Fp8, Remat, declared, required
+from conformance.contract import (
+    AuxLosses,
+    Dropout,
+    Family,
+    Fp8,
+    Remat,
+    declared,
+    persistent_types,
+    required,
+)
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, tolerance_for
@@ -256,7 +265,7 @@ def _nnx_transients(state: nnx.State, declared: tuple[type, ...]) -> list[str]:
     """Leaves of an NNX state that are not persistent state, with their type.
 
     Persistent: parameters, optimizer state and the ``declared`` types
-    (:attr:`Family.persistent_state`).
+    (:class:`~conformance.contract.PersistentState`).
     """
     return [
         f"{path}: {variable_kind(var)} is not persistent state"
@@ -271,7 +280,7 @@ def check_hygiene(case: Case) -> None:
 
     On each backend: the returned state has the input's paths, shapes, dtypes, leaf
     count and shardings; (NNX) it holds only parameters, optimizer state and the
-    family's declared :attr:`~Family.persistent_state` types, no
+    family's declared :class:`~conformance.contract.PersistentState` types, no
     ``nnx.Intermediate`` or Variable type made by sowing under a string name; the state
     and its sharding tree have equal leaf counts; and the step leaks no tracer
     (``jax.checking_leaks``).
@@ -285,7 +294,7 @@ def check_hygiene(case: Case) -> None:
             specs(flat_state(trainer.abstract_state)), specs(flat_state(out)), {}
         )
         if isinstance(out, nnx.State):
-            problems += _nnx_transients(out, case.family.persistent_state)
+            problems += _nnx_transients(out, persistent_types(case.family))
         n_state = len(jax.tree.leaves(training.state))
         n_shard = len(jax.tree.leaves(training.shardings))
         if n_state != n_shard:

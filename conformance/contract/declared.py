@@ -23,6 +23,7 @@ from conformance.contract.features import (
     Feature,
     Fp8,
     Layouts,
+    PersistentState,
     Qwix,
     Recorded,
     Release,
@@ -199,6 +200,23 @@ def preferred_layout(family: Family) -> bool:
     return scan[0] if scan else False
 
 
+def _first_edition_persistent(family: Family) -> PersistentState | None:
+    """:attr:`Family.persistent_state`, as a PersistentState."""
+    types = tuple(family.persistent_state)
+    return PersistentState(lambda: types) if types else None
+
+
+def _persistent_spellings(family: Family) -> tuple[str, str]:
+    names = ", ".join(kind.__name__ for kind in family.persistent_state)
+    return f"persistent_state=({names},)", f"PersistentState(lambda: ({names},))"
+
+
+def persistent_types(family: Family) -> tuple[type, ...]:
+    """The Variable types ``family`` keeps as persistent state (:class:`PersistentState`)."""
+    found = declared(family, PersistentState)
+    return () if found is None else tuple(found.types())
+
+
 def release(family: Family) -> str | None:
     """The release whose goldens ``family`` runs (:class:`Release`), or ``None``."""
     found = declared(family, Release)
@@ -245,6 +263,7 @@ FIRST_EDITION: dict[type[Feature], _FirstEdition] = {
     Recorded: _listed(Recorded, "recorded", "upgrade_reference"),
     Bridges: _FirstEdition(_first_edition_bridges, _bridges_spellings),
     Layouts: _FirstEdition(_first_edition_layouts, _layouts_spellings),
+    PersistentState: _FirstEdition(_first_edition_persistent, _persistent_spellings),
     Release: _FirstEdition(
         _first_edition_release,
         lambda family: (f"release={family.release!r}", f"Release({family.release!r})"),

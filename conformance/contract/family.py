@@ -123,12 +123,9 @@ class Family(abc.ABC):
     Each step passes one key per stream, derived from the step counter."""
 
     persistent_state: tuple[type, ...] = ()
-    """NNX Variable types beside ``nnx.Param`` that are persistent model state (MaxText
-    0.2.5's ``MoEBiasVar``): both train states keep them, never differentiated (Linen in
-    the collections Flax's bridges name after them), checkpoints and cross-layout
-    conversions carry them (:attr:`state_stack_axis`), a recorded one-step state must hold
-    them (``recorded_resume``), a recorded parameter that became one is accepted, and
-    ``hygiene`` does not report them as transient. Default: none."""
+    """NNX Variable types beside ``nnx.Param`` that are persistent model state. Default:
+    none. First edition: the second declares ``PersistentState(types)`` in
+    :meth:`features`, ``types()`` called only when a check needs them."""
 
     logits_predict: str = "next"
     """What the logits at position ``i`` predict, one of :data:`PREDICTIONS`: ``"next"``,

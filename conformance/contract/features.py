@@ -316,6 +316,27 @@ class Layouts(Feature):
     collections other than the parameters on axis 0 unless told otherwise."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistentState(Feature):
+    """NNX Variable types beside ``nnx.Param`` that are persistent model state.
+
+    The first edition's :attr:`Family.persistent_state`.
+
+    MaxText 0.2.5's ``MoEBiasVar``: both train states keep them, never differentiated
+    (Linen in the collections Flax's bridges name after them), checkpoints and
+    cross-layout conversions carry them (:attr:`Layouts.state_axis`), a recorded one-step
+    state must hold them (``recorded_resume``), a recorded parameter that became one is
+    accepted, and ``hygiene`` does not report them as transient.
+    """
+
+    capability: ClassVar[str] = "persistent_state"
+    hooks: ClassVar[dict[str, str]] = {"types": "types()"}
+    types: Callable[[], tuple[type, ...]]
+    """``types()``: the Variable types. Called only when a check needs them, so a family
+    may import them there: a registry that lists the family never pays for the import
+    (MaxText's ``MoEBiasVar`` brings its MoE layers, seconds of imports)."""
+
+
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
     """``base`` with each of ``new`` in place of the feature of its kind (added if none).
 

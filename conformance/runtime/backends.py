@@ -21,7 +21,7 @@ from flax.nnx import variablelib
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from qwix import PtqProvider, QuantizationProvider, quantize_params
 
-from conformance.contract import Batch, Family, quantization_scope
+from conformance.contract import Batch, Family, persistent_types, quantization_scope
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical, nnx_logical
 from conformance.core.trees import (
@@ -52,13 +52,13 @@ def persistent_collections(family: Family) -> dict[str, str]:
     """Each Linen collection of ``family``'s persistent state, to its Variable type's name.
 
     The type's name is how train states name such a leaf's kind on both backends
-    (:attr:`~conformance.contract.Family.persistent_state`). Collections are named as
+    (:class:`~conformance.contract.PersistentState`). Collections are named as
     Flax's bridges name a Variable type's: a ``ToLinen`` module puts an NNX ``MoEBiasVar``
     in the Linen collection ``"MoEBiasVar"``, an ``nnx.BatchStat`` in ``"batch_stats"``.
     """
     return {
         variablelib.variable_name_from_type(kind, allow_register=True): kind.__name__
-        for kind in family.persistent_state
+        for kind in persistent_types(family)
     }
 
 

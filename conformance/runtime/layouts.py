@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from conformance.contract import Family, Layouts, declared
+from conformance.contract import Family, Layouts, declared, persistent_types
 from conformance.core.trees import PathMapError, layer_table
 from conformance.runtime.backends import (
     LinenRunner,
@@ -35,7 +35,7 @@ class Stacking:
     params: Table
     """Parameters (and the optimizer moments mirroring them), stacked on :attr:`axis`."""
     state: Table
-    """Persistent state (:attr:`~conformance.contract.Family.persistent_state`), stacked
+    """Persistent state (:class:`~conformance.contract.PersistentState`), stacked
     on :attr:`state_axis`."""
     axis: int
     state_axis: int
@@ -50,7 +50,7 @@ def stacking(family: Family, loop_config: Any, scan_config: Any) -> Stacking:
     axes = (0, 0) if feature is None else (feature.axis, feature.state_axis)
     if feature is not None and feature.stack is not None:
         rules, model = feature.stack(loop_config), nnx_runner(family, loop_config)
-        kinds = {f"{kind.__module__}.{kind.__qualname__}" for kind in family.persistent_state}
+        kinds = {f"{kind.__module__}.{kind.__qualname__}" for kind in persistent_types(family)}
         state = [path for path, kind in model.held.items() if kind in kinds]
         return Stacking(layer_table(rules, model.specs), layer_table(rules, state), *axes)
     rules, linen = family.layer_stack_rules(loop_config), linen_runner(family, loop_config)

@@ -41,6 +41,7 @@ from conformance.families import (
     Layouts,
     LogicalRules,
     PathRules,
+    PersistentState,
     QuantScope,
     Qwix,
     Recorded,
@@ -86,16 +87,19 @@ class MaxTextFamily(Family):
         release, when supported, keeps its own goldens (:class:`Release`); from 0.2.5 the
         Linen side is one ``ToLinen`` around the whole NNX model (:class:`Bridges`), while
         0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
+        From 0.2.5 the MoE routing bias is persistent state (:class:`PersistentState`).
         """
         installed = _installed()
         per_release = () if installed is None else (Release(installed),)
         bridged = (Bridges(linen=1, nnx=0),) if releases.bridged() else ()
+        persistent = (PersistentState(self.persistent_types),) if releases.bridged() else ()
         return (
             # MaxText's default is scanned layers (smoke runs those), stacked on axis 1
             # (its param_scan_axis); the routing bias, persistent state, on axis 0.
             Layouts((True, False), self.stack_rules, axis=1),
             *per_release,
             *bridged,
+            *persistent,
             Decode(),
             Remat(self.remat_config),
             Dropout(self.dropout_config),
@@ -129,12 +133,13 @@ class MaxTextFamily(Family):
         except ValueError as err:
             raise FamilyError(f"{self.name}: {err}") from None
 
-    @property
-    def persistent_state(self) -> tuple[type, ...]:  # type: ignore[override]
+    @staticmethod
+    def persistent_types() -> tuple[type, ...]:
         """From 0.2.5, the MoE routing bias (``MoEBiasVar``) is a Variable of its own.
 
         0.2.4 kept it as a parameter; 0.2.5 moved it out of ``nnx.Param`` (and, through
         the ``ToLinen`` bridge, out of Linen's ``params`` into collection ``MoEBiasVar``).
+        Imported here, when a check asks: MaxText's MoE layers take seconds to import.
         """
         if not releases.bridged():
             return ()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from conformance.families import PersistentState, with_features
 from conformance_models import nnx_layers
 from conformance_models.gpt3.family import Gpt3Family
 from tests.faults.decode import _index_off_by_one
@@ -29,7 +30,8 @@ class ScaleLeftParams(Gpt3Family):
     recording, and the report names the leaf that changed collection.
     """
 
-    persistent_state = (NormStat,)
+    def features(self):
+        return with_features(super().features(), PersistentState(lambda: (NormStat,)))
 
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)
