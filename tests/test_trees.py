@@ -8,7 +8,6 @@ from conformance.core.trees import (
     flatten,
     layer_table,
     map_paths,
-    map_state_paths,
     restack,
     structure_diff,
     unflatten,
@@ -116,14 +115,3 @@ def test_restack_stacks_on_the_axis_asked_for():
     assert stacked["layers/w"][:, 1].tolist() == np.ones((2, 3)).tolist()
     back = restack(stacked, table, to_scan=False, axis=1)
     assert all(np.array_equal(back[p], flat[p]) for p in flat)
-
-
-def test_map_state_paths_follows_parameter_suffixes():
-    mapping = map_state_paths(
-        {"layers_0/w": "layers/0/w"}, ["model/layers_0/w", "opt/1/0/mu/layers_0/w", "step"]
-    )
-    assert mapping == {
-        "model/layers_0/w": "model/layers/0/w",
-        "opt/1/0/mu/layers_0/w": "opt/1/0/mu/layers/0/w",
-        "step": "step",
-    }

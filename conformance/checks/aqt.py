@@ -195,7 +195,6 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
             *map(serving[0].canonical, (linen.serve_runner.logical, linen.serve_runner.specs)),
         ),
         (serving[1], serve.logical, serve.specs),
-        {path: path for path in serve.specs},
     )
     return {
         "mesh": dict(case.mesh.axes),

@@ -91,7 +91,7 @@ def check_quant_params(case: Case) -> dict[str, Any]:
             fail(f"{quant}: no parameter was quantized (no qvalue leaf)")
         fail_if_any(f"{quant}: qvalue leaves not of type {mode.qtype}", wrong)
     canonical = (linen, linen.canonical(a.logical), linen.canonical(a.specs))
-    nnx_specs = agreed_specs(canonical, (nnx_, b.logical, b.specs), {p: p for p in b.specs})[1]
+    nnx_specs = agreed_specs(canonical, (nnx_, b.logical, b.specs))[1]
     return {
         "mode": quant,
         "mesh": dict(case.mesh.axes),

@@ -138,8 +138,7 @@ def check_sharding(case: Case) -> dict[str, Any]:
     sides = live_sides(case)
     nnx_ = sides[-1]
     paired(sides[0], nnx_)
-    canonical = {path: path for path in nnx_.runner.specs}
-    nnx_specs = agreed_specs(_parameters(sides[0]), _parameters(nnx_), canonical, rules)[1]
+    nnx_specs = agreed_specs(_parameters(sides[0]), _parameters(nnx_), rules=rules)[1]
     if case.devices is not None:
         for side in sides:
             _check_placement(side, side.case.specs(side.runner.logical, rules))

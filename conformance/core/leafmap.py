@@ -32,6 +32,7 @@ from conformance.core.trees import (
     PathMapError,
     check_bijection,
     mirrored_param,
+    prefixed,
     rule_patterns,
 )
 
@@ -164,8 +165,7 @@ def build(rules: PathRules, shapes: Mapping[str, Shape]) -> LeafMap:
 
 def _compile(rule: Sequence[str] | LeafTransform) -> tuple[Any, list[re.Pattern[str]]]:
     """The rule as moves bind it (a rename as its replacement), with its patterns."""
-    transform = isinstance(rule, (Split, Stack, Transpose, Reshape))
-    return (rule if transform else rule[1]), rule_patterns(rule)
+    return (rule if isinstance(rule, LeafTransform) else rule[1]), rule_patterns(rule)
 
 
 def _bound(rule: Any, pattern: re.Pattern[str], path: str, shape: Shape) -> Move:
@@ -250,12 +250,8 @@ def _apply(flat: Mapping[str, Any], index: Mapping[str, Move], forward: bool) ->
             where = f" under {prefix}" if prefix else ""
             raise PathMapError(f"{sorted(have)}{where} must move together with all of {list(ins)}")
         leaves = (move.forward if forward else move.backward)([have[p] for p in ins])
-        result |= {_join(prefix, p): leaf for p, leaf in zip(outs, leaves, strict=True)}
+        result |= {prefixed(prefix, p): leaf for p, leaf in zip(outs, leaves, strict=True)}
     return result
-
-
-def _join(prefix: str, path: str) -> str:
-    return f"{prefix}/{path}" if prefix else path
 
 
 def _take(leaf: Any, axis: int, i: int) -> Any:

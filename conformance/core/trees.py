@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from conformance.contract import LeafTransform, PathRules, Reshape, Split, Stack, Transpose
+from conformance.contract import LeafTransform, PathRules, Stack
 from conformance.core.distributed import host_array
 
 Flat = dict[str, Any]
@@ -93,7 +93,7 @@ def map_paths(rules: PathRules, linen_paths: Iterable[str]) -> dict[str, str]:
             found = next((p for p in patterns if p.search(path)), None)
             if found is None:
                 continue
-            if isinstance(rule, (Split, Stack, Transpose, Reshape)):
+            if isinstance(rule, LeafTransform):
                 raise PathMapError(
                     f"{rule} changes the layout of {path}; this tree is mapped by name only"
                 )
@@ -113,7 +113,7 @@ def rule_patterns(rule: Sequence[str] | LeafTransform) -> list[re.Pattern[str]]:
     """The patterns a path rule matches paths with: a rename's, or a transform's."""
     if isinstance(rule, Stack):
         return [re.compile(p) for p in rule.parts]
-    if isinstance(rule, (Split, Transpose, Reshape)):
+    if isinstance(rule, LeafTransform):
         return [re.compile(rule.pattern)]
     return [re.compile(rule[0])]
 
@@ -221,21 +221,9 @@ def mirrored_param(path: str, params: Iterable[str]) -> tuple[str, str] | None:
     return None
 
 
-def _join(prefix: str, path: str) -> str:
+def prefixed(prefix: str, path: str) -> str:
+    """``path`` under ``prefix`` (``model/<path>``), or ``path`` itself for no prefix."""
     return f"{prefix}/{path}" if prefix else path
-
-
-def map_state_paths(param_mapping: Mapping[str, str], paths: Iterable[str]) -> dict[str, str]:
-    """Extend a parameter path map to state paths that mirror parameters.
-
-    A path ending in a mapped parameter (``model/<p>``, ``.../mu/<p>``) has that ending
-    rewritten; anything else (step counters, optax counts) maps to itself.
-    """
-    mapping = {}
-    for path in paths:
-        found = mirrored_param(path, param_mapping)
-        mapping[path] = path if found is None else _join(found[0], param_mapping[found[1]])
-    return mapping
 
 
 def layer_table(rules: PathRules, per_layer_paths: Iterable[str]) -> dict[str, list[str]]:
@@ -280,7 +268,7 @@ def restack(
                 continue
             prefix, stacked = found
             for index, param in enumerate(table[stacked]):
-                result[_join(prefix, param)] = np.take(host_array(value), index, axis=axis)
+                result[prefixed(prefix, param)] = np.take(host_array(value), index, axis=axis)
         return result
     owner = {param: stacked for stacked, params in table.items() for param in params}
     groups: dict[tuple[str, str], dict[str, Any]] = {}
@@ -292,7 +280,7 @@ def restack(
         prefix, param = found
         groups.setdefault((prefix, owner[param]), {})[param] = value
     for (prefix, stacked), layers in groups.items():
-        result[_join(prefix, stacked)] = np.stack(
+        result[prefixed(prefix, stacked)] = np.stack(
             [host_array(layers[p]) for p in table[stacked]], axis=axis
         )
     return result

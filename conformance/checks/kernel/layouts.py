@@ -79,17 +79,19 @@ def misplaced(arrays: Mapping[str, Any], shardings: Mapping[str, Any]) -> list[s
 def agreed_specs(
     first: tuple[Side, Mapping[str, Logical], Mapping[str, LeafSpec]],
     second: tuple[Side, Mapping[str, Logical], Mapping[str, LeafSpec]],
-    mapping: Mapping[str, str],
+    mapping: Mapping[str, str] | None = None,
     rules: LogicalRules | None = None,
 ) -> tuple[dict[str, PartitionSpec], dict[str, PartitionSpec]]:
     """Both sides' leaves resolved on the case's mesh: equal per leaf and evenly split.
 
     Each side is given as ``(side, logical names, shapes)`` of the leaves compared
     (parameters, caches, frozen kernels), ``mapping`` takes the first's paths to the
-    second's, and ``rules`` default to the config's :meth:`Family.axis_rules`. Fails
-    listing every leaf that differs or splits unevenly; returns each side's specs.
+    second's (default: both in canonical paths, every one of the second's paths its
+    own), and ``rules`` default to the config's :meth:`Family.axis_rules`. Fails listing
+    every leaf that differs or splits unevenly; returns each side's specs.
     """
     (a, a_logical, _), (b, b_logical, b_shapes) = first, second
+    mapping = {path: path for path in b_shapes} if mapping is None else mapping
     mesh = b.case.mesh
     a_specs, b_specs = a.case.specs(a_logical, rules), b.case.specs(b_logical, rules)
     problems = []
