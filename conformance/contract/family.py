@@ -284,11 +284,13 @@ class Family(abc.ABC):
     def path_rules(self, config: Any) -> PathRules:
         """Rewrites from Linen parameter paths to NNX ones; identity by default.
 
-        ``(pattern, replacement)`` pairs, tried in order: the first pattern that matches
-        a path (``re.search``) rewrites its first match (``re.sub(..., count=1)``) and no
-        later rule sees that path; a path no rule matches keeps its name. The resulting
-        map must be one-to-one and cover every NNX parameter. Cache paths map by the same
-        rules.
+        ``(pattern, replacement)`` pairs and leaf transforms (``Split``, ``Stack``,
+        ``Transpose``, ``Reshape``: :mod:`conformance.contract.transforms`, for a leaf
+        held in another layout), tried in order: the first rule whose pattern matches a
+        path (``re.search``) takes it, rewriting its first match (``re.sub(..., count=1)``),
+        and no later rule sees that path; a path no rule matches keeps its name. The
+        resulting map must be one-to-one and cover every NNX parameter. Cache paths map by
+        the same rules, by name only.
         """
         del config
         return ()
