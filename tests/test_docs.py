@@ -13,6 +13,7 @@ from pathlib import Path
 from conformance.checks.registry import BUILTIN
 from conformance.contract import Feature
 from conformance.contract import features as typed
+from conformance.contract.declared import FIRST_EDITION
 from conformance.pytest_plugin.options import OPTIONS
 
 ROOT = Path(__file__).parents[1]
@@ -54,8 +55,12 @@ def test_the_features_table_holds_every_feature_with_its_first_edition():
     table = _tables().features_table()
     kinds = [kind for kind in vars(typed).values() if _is_feature(kind)]
     assert not [kind.__name__ for kind in kinds if f"| `{kind.__name__}(" not in table]
-    paragraphs = [inspect.getdoc(kind).split("\n\n") for kind in kinds]
-    assert all(len(p) > 1 and p[1].startswith("The first edition's") for p in paragraphs)
+    second = {kind: inspect.getdoc(kind).split("\n\n")[1:2] for kind in kinds}
+    opening = {
+        kind: "The first edition's" if kind in FIRST_EDITION else "New in the second edition"
+        for kind in kinds
+    }
+    assert not [k.__name__ for k in kinds if not "".join(second[k]).startswith(opening[k])]
 
 
 def _is_feature(value: object) -> bool:

@@ -23,6 +23,7 @@ from conformance.contract import (
     first_edition_features,
     persistent_types,
     problems,
+    production_topologies,
     quantization_scope,
     release,
     required,
@@ -50,6 +51,7 @@ from conformance.families import (
     Recorded,
     Release,
     Remat,
+    Topologies,
     VocabTiling,
     with_features,
 )
@@ -627,6 +629,19 @@ def test_persistent_state_is_imported_only_when_a_check_asks():
     assert persistent_types(FirstEditionPersistent()) == (nnx.BatchStat,)
     assert first_edition_features(FirstEditionPersistent()) == [
         "persistent_state=(BatchStat,) -> PersistentState(lambda: (BatchStat,))"
+    ]
+
+
+def test_topologies_place_production_sizes_and_are_checked_at_load():
+    family = _declaring(Gpt3Family, Topologies({"6b": "v5p:8x8x4=fsdp=128,tensor=2"}))
+    assert problems(family) == []
+    assert production_topologies(family) == {"6b": "v5p:8x8x4=fsdp=128,tensor=2"}
+    assert production_topologies(Gpt3Family()) == {}
+    wrong = _declaring(Gpt3Family, Topologies({"tiny": "v5p:4x4x4", "6b": "v5p:8x8@production"}))
+    assert problems(wrong) == [
+        "family 'gpt3' places size 'tiny' on a TPU slice in Topologies; its production sizes: 6b",
+        "family 'gpt3' places size '6b' on 'v5p:8x8@production' in Topologies; give a slice "
+        "as --tpu names one, without '@production' ('v5p:8x8x8')",
     ]
 
 

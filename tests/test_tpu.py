@@ -9,7 +9,16 @@ import pytest
 from conformance import families
 from conformance.core import tpu
 from conformance.core.sharding import parse_mesh
-from conformance.core.tpu import Topology, TopologyError, TpuTarget, compiles, default_mesh
+from conformance.core.tpu import (
+    Topology,
+    TopologyError,
+    TpuTarget,
+    compiles,
+    default_mesh,
+    production_target,
+)
+from conformance.families import Topologies
+from conformance.pytest_plugin import session
 from conformance.pytest_plugin.session import _tpu_targets
 from conformance.runtime.aot import (
     abstract_batch,
@@ -75,11 +84,51 @@ def test_production_sizes_compile_scanned_and_the_device_size_in_every_layout():
     assert [c.id for c in compiles((large,), ("tiny",), (False,))] == []
 
 
+def test_a_placed_production_size_compiles_for_its_own_slice_alone():
+    small, large = TpuTarget.parse("v6e:2x4"), TpuTarget.parse("v5p:4x4x4@production")
+    own = production_target("v5p:8x8x8=data=4,fsdp=64,tensor=2")
+    assert own == TpuTarget.parse("v5p:8x8x8@production=data=4,fsdp=64,tensor=2")
+    found = compiles((small, large), ("tiny", "8b", "70b"), (True,), {"70b": own})
+    assert [c.id for c in found] == [
+        "tiny-v6e-2x4-data2-fsdp2-tensor2-scan",
+        "8b-v5p-4x4x4-data2-fsdp16-tensor2-scan",
+        "70b-v5p-8x8x8-data4-fsdp64-tensor2-scan",
+    ]
+    with pytest.raises(TopologyError, match="a placed slice takes no '@'"):
+        production_target("v5p:8x8x8@production")
+
+
+class Placing(type(families.get("llama"))):
+    def features(self):
+        return (*super().features(), Topologies({"8b": self.slice}))
+
+
+def test_families_place_sizes_under_the_default_targets_only(monkeypatch):
+    monkeypatch.setattr(session, "slice_devices", lambda name: ())
+    family = type("Placing", (Placing,), {"slice": "v5p:8x8x4"})()
+    targets, placed = _tpu_targets(["default"], [family])
+    assert [t.spec for t in targets] == [
+        "v6e:2x4=data2-fsdp2-tensor2",
+        "v5p:4x4x4@production=data2-fsdp16-tensor2",
+    ]
+    assert {f: {s: t.spec for s, t in p.items()} for f, p in placed.items()} == {
+        "llama": {"8b": "v5p:8x8x4@production=data2-fsdp64-tensor2"}
+    }
+    assert _tpu_targets(["v5p:4x4x4@production"], [family])[1] == {}
+    malformed = type("Placing", (Placing,), {"slice": "v5p:8x8x4=fsdp=8"})()
+    with pytest.raises(TopologyError) as raised:
+        _tpu_targets(["default"], [malformed])
+    assert str(raised.value) == (
+        "family 'llama', size '8b': TPU target 'v5p:8x8x4@production=fsdp=8': mesh fsdp8 "
+        "needs 8 chips; v5p:8x8x4 has 256"
+    )
+
+
 def test_without_libtpu_a_target_is_a_usage_error_naming_the_setup(monkeypatch):
     monkeypatch.setattr(tpu, "libtpu_version", lambda: None)
     tpu.slice_devices.cache_clear()
     with pytest.raises(TopologyError, match="make setup-tpu"):
-        _tpu_targets(["default"])
+        _tpu_targets(["default"], [])
 
 
 def test_placed_outputs_are_keyed_by_canonical_paths_and_agree_on_a_cpu_mesh():

@@ -28,6 +28,7 @@ from conformance.contract.features import (
     Recorded,
     Release,
     Remat,
+    Topologies,
     VocabTiling,
 )
 from conformance.contract.values import FamilyError, QuantScope
@@ -221,6 +222,12 @@ def release(family: Family) -> str | None:
     """The release whose goldens ``family`` runs (:class:`Release`), or ``None``."""
     found = declared(family, Release)
     return None if found is None else found.name
+
+
+def production_topologies(family: Family) -> Mapping[str, str]:
+    """Each production size ``family`` places on its own TPU slice (:class:`Topologies`)."""
+    found = declared(family, Topologies)
+    return {} if found is None else dict(found.production)
 
 
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:

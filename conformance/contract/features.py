@@ -337,6 +337,26 @@ class PersistentState(Feature):
     (MaxText's ``MoEBiasVar`` brings its MoE layers, seconds of imports)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Topologies(Feature):
+    """The TPU slice each production size compiles for under ``--tpu default``.
+
+    New in the second edition. ``--tpu default`` compiles the device size for a small
+    slice and every production size for ``v5p:4x4x4`` (64 chips); a size that does not
+    fit 64 chips (DeepSeek-V3's 671B parameters with their optimizer state) names the
+    slice it trains on here, so the ``tpu_compile`` check judges it where it would run.
+    A slice named on the command line (``--tpu GEN:AxB[xC]@production``) still takes
+    every production size, whatever is declared.
+    """
+
+    capability: ClassVar[str] = "topologies"
+    production: Mapping[str, str]
+    """Production size (one of :attr:`Family.sizes` after the first) -> its slice, as
+    ``--tpu`` names one, without ``@production``: ``"GEN:AxB[xC]"``, optionally
+    ``"=MESH"`` for the mesh over its chips (``"v5p:8x8x8=data=4,fsdp=64,tensor=2"``).
+    A size it leaves out compiles for the default slice."""
+
+
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
     """``base`` with each of ``new`` in place of the feature of its kind (added if none).
 

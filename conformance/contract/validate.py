@@ -28,6 +28,7 @@ from conformance.contract.features import (
     Layouts,
     Qwix,
     Recorded,
+    Topologies,
 )
 from conformance.contract.values import (
     BACKENDS,
@@ -88,6 +89,7 @@ def problems(family: Family) -> list[str]:
     found += _features(family)
     found += _names(family)
     found += _bridges(family)
+    found += _topologies(family)
     found += _decoding(family)
     found += _divergences(family)
     if not family.has_linen and not recorded:
@@ -254,6 +256,36 @@ def _bridges(family: Family) -> list[str]:
         for side, count in counts.items()
         if not (isinstance(count, int) and count >= 0)
     ]
+
+
+def _topologies(family: Family) -> list[str]:
+    """A :class:`Topologies` entry for a size that is no production size, or no slice name.
+
+    The slice's grammar is checked when a run compiles for TPU slices (``--tpu``), where
+    a malformed one is a usage error naming the family and the size.
+    """
+    found = declared(family, Topologies)
+    if found is None:
+        return []
+    if not isinstance(found.production, Mapping):
+        return [
+            f"family {family.name!r} declares Topologies({found.production!r}); give a "
+            "mapping of production size to slice"
+        ]
+    production = family.sizes[1:]
+    wrong = []
+    for size, slice_ in found.production.items():
+        if size not in production:
+            wrong.append(
+                f"family {family.name!r} places size {size!r} on a TPU slice in Topologies; "
+                f"its production sizes: {', '.join(production) or 'none'}"
+            )
+        elif not isinstance(slice_, str) or not slice_ or "@" in slice_:
+            wrong.append(
+                f"family {family.name!r} places size {size!r} on {slice_!r} in Topologies; "
+                "give a slice as --tpu names one, without '@production' ('v5p:8x8x8')"
+            )
+    return wrong
 
 
 def _ignored_override(family: Family, feature: Feature) -> list[str]:

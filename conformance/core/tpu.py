@@ -21,7 +21,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
@@ -183,22 +183,39 @@ class TpuCompile:
 
 
 def compiles(
-    targets: tuple[TpuTarget, ...], sizes: tuple[str, ...], layouts: tuple[bool, ...]
+    targets: tuple[TpuTarget, ...],
+    sizes: tuple[str, ...],
+    layouts: tuple[bool, ...],
+    placed: Mapping[str, TpuTarget] | None = None,
 ) -> list[TpuCompile]:
     """What a family of ``sizes`` and layer ``layouts`` compiles for ``targets``.
 
     The device size in every layout; a production size in the scanned layout alone when
     the family has it (production trains scanned; 32 unrolled layers compile for
-    minutes), else in its first.
+    minutes), else in its first. ``placed`` moves a production size from every
+    production target to its own (a family's ``Topologies``, under ``--tpu default``).
     """
+    placed = placed or {}
     found = []
     for target in targets:
         for size in target.sizes(sizes):
-            kept = layouts
+            kept, where = layouts, target
             if target.production:
                 kept = (True,) if True in layouts else layouts[:1]
-            found += [TpuCompile(target, size, scan) for scan in kept]
-    return found
+                where = placed.get(size, target)
+            found += [TpuCompile(where, size, scan) for scan in kept]
+    return list(dict.fromkeys(found))
+
+
+def production_target(text: str) -> TpuTarget:
+    """The production target a family places a size on: ``GEN:AxB[xC][=MESH]``.
+
+    :class:`TopologyError` (as :meth:`TpuTarget.parse` raises it) if ``text`` names none.
+    """
+    name, equals, mesh = text.partition("=")
+    if "@" in name:
+        raise TopologyError(f"TPU slice {text!r}: a placed slice takes no '@'")
+    return TpuTarget.parse(f"{name}@production{equals}{mesh}")
 
 
 def libtpu_version() -> str | None:

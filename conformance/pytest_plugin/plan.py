@@ -177,7 +177,9 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "topology":
             return [(m.id, m) for m in run.topologies]
         case "tpu":
-            return [(c.id, c) for c in compiles(run.tpu, family.sizes, layouts(family))]
+            placed = run.placed.get(family.name)
+            found = compiles(run.tpu, family.sizes, layouts(family), placed)
+            return [(c.id, c) for c in found]
         case "scan_layers":
             return list(LAYOUTS.items())
         case "dtype":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import jax
 import pytest
@@ -27,7 +28,14 @@ from conformance.core.environment import (
 from conformance.core.references import references_root
 from conformance.core.roots import Goldens, GoldensError, installed, project_goldens
 from conformance.core.sharding import MeshSpec, MeshSpecError, parse_mesh
-from conformance.core.tpu import NOISE, TopologyError, TpuTarget, libtpu_version, slice_devices
+from conformance.core.tpu import (
+    NOISE,
+    TopologyError,
+    TpuTarget,
+    libtpu_version,
+    production_target,
+    slice_devices,
+)
 from conformance.pytest_plugin import options, workers
 from conformance.pytest_plugin.tiers import Tier
 from conformance.runtime.provenance import Built
@@ -52,6 +60,9 @@ class Settings:
     """Where each family's goldens and recorded references live."""
     tpu: tuple[TpuTarget, ...] = ()
     """The TPU slices both sides are compiled for (``--tpu``); none by default."""
+    placed: Mapping[str, Mapping[str, TpuTarget]] = dataclasses.field(default_factory=dict)
+    """Family -> production size -> the slice it compiles for instead of the production
+    targets (its ``Topologies``, under ``--tpu default``)."""
 
     @property
     def run_meshes(self) -> list[MeshSpec]:
@@ -94,6 +105,11 @@ class Settings:
             lines.append(
                 f"conformance: TPU compiles (libtpu {libtpu_version()}, XLA defaults, nothing "
                 f"runs): {'; '.join(map(str, self.tpu))}"
+                + "".join(
+                    f"; {family} {size} on {target.spec}"
+                    for family, sizes in self.placed.items()
+                    for size, target in sizes.items()
+                )
                 + (f"; libtpu start-up wrote {len(NOISE)} line(s), held back" if NOISE else "")
             )
         if recorded := self.recorded():
@@ -272,7 +288,7 @@ def configure(config: pytest.Config, tier: Tier) -> Settings:
         configured = [parse_mesh(s) for s in meshes or options.DEFAULT_MESHES]
         topologies = options.value(config, "topology") or options.DEFAULT_TOPOLOGIES
         topology = [parse_mesh(s) for s in topologies]
-        tpu = _tpu_targets(options.value(config, "tpu"))
+        tpu, placed = _tpu_targets(options.value(config, "tpu"), families)
     except (contract.FamilyError, MeshSpecError, TopologyError) as err:
         raise pytest.UsageError(str(err)) from None
     if options.value(config, "family"):
@@ -283,22 +299,38 @@ def configure(config: pytest.Config, tier: Tier) -> Settings:
         goldens = _goldens(config, families)
     except GoldensError as err:
         raise pytest.UsageError(str(err)) from None
-    run = Settings(tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens, tpu)
+    run = Settings(
+        tuple(families), tuple(configured), tuple(topology), tier, xla_opt, goldens, tpu, placed
+    )
     config.stash[_SETTINGS] = run
     return run
 
 
-def _tpu_targets(values: list[str]) -> tuple[TpuTarget, ...]:
-    """The TPU targets ``--tpu`` names (``default``: :data:`~options.DEFAULT_TPU`).
+def _tpu_targets(
+    values: list[str], families: list[Family]
+) -> tuple[tuple[TpuTarget, ...], dict[str, dict[str, TpuTarget]]]:
+    """The TPU targets ``--tpu`` names, and the production sizes families place elsewhere.
 
-    Each slice is described by libtpu here, before any test, so a missing libtpu or a
-    topology it does not know is a usage error, never a run of skips.
+    ``default`` names :data:`~options.DEFAULT_TPU`, and lets each family place a
+    production size on a slice of its own (``Topologies``). Each slice is described by
+    libtpu here, before any test, so a missing libtpu, a topology it does not know or a
+    family's malformed ``Topologies`` is a usage error, never a run of skips.
     """
     names = [n for v in values for n in (options.DEFAULT_TPU if v == "default" else [v])]
     targets = tuple(dict.fromkeys(TpuTarget.parse(name) for name in names))
-    for target in targets:
-        slice_devices(target.topology.name)
-    return targets
+    placed: dict[str, dict[str, TpuTarget]] = {}
+    if "default" in values:
+        for family in families:
+            for size, text in contract.production_topologies(family).items():
+                try:
+                    target = production_target(text)
+                except TopologyError as err:
+                    raise TopologyError(f"family {family.name!r}, size {size!r}: {err}") from None
+                placed.setdefault(family.name, {})[size] = target
+    described = {*targets, *(t for sizes in placed.values() for t in sizes.values())}
+    for name in dict.fromkeys(target.topology.name for target in described):
+        slice_devices(name)
+    return targets, placed
 
 
 def _goldens(config: pytest.Config, families: list[Family]) -> Goldens:

@@ -14,6 +14,7 @@ from pathlib import Path
 from conformance.checks.registry import BUILTIN, Check
 from conformance.cli.run import emulation_parser
 from conformance.contract import Feature, spelling
+from conformance.contract import features as typed
 from conformance.contract.declared import FIRST_EDITION
 from conformance.pytest_plugin.options import INI, OPTIONS
 
@@ -21,6 +22,13 @@ _ROLE = re.compile(r":(?:[a-z]+:)+`~?(?:[^`<]*<)?([^`>]+)>?`")
 """A Sphinx role (``:func:`~a.b` ``, ``:py:meth:`title <a.b>` ``): its target's last part."""
 
 _CODE = re.compile(r"(`[^`]*`)")
+
+FEATURES = [
+    kind
+    for kind in vars(typed).values()
+    if isinstance(kind, type) and issubclass(kind, Feature) and kind is not Feature
+]
+"""Every typed feature, in the order :mod:`conformance.contract.features` defines them."""
 
 
 def _plain(text: str) -> str:
@@ -145,15 +153,18 @@ def features_table() -> str:
     """Every typed feature: how it is written, what it enables, its first-edition spelling.
 
     From each feature's docstring: its first paragraph, and the first sentence of its
-    second, which names the first edition's spelling.
+    second, which names the first edition's spelling (or says the feature is new).
     """
     rows = [
         "| feature | ability (`unsupported` key) | what it is for | first edition |",
         "|---|---|---|---|",
     ]
-    for kind in FIRST_EDITION:
+    kinds = [*FIRST_EDITION, *(k for k in FEATURES if k not in FIRST_EDITION)]
+    for kind in kinds:
         summary, rest = (inspect.getdoc(kind) or "").split("\n\n", 2)[:2]
         first = rest.split(". ", 1)[0].removesuffix(".").removeprefix("The first edition's ")
+        if kind not in FIRST_EDITION:
+            first = "none (new)"
         rows.append(
             f"| {_signature(kind)} | `{kind.capability}` | {_cell(summary)} | {_cell(first)} |"
         )

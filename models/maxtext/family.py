@@ -47,6 +47,7 @@ from conformance.families import (
     Recorded,
     Release,
     Remat,
+    Topologies,
     VocabTiling,
 )
 from conformance_models import GOLDENS
@@ -525,8 +526,16 @@ class MaxTextDeepseek3(MaxTextFamily):
     )
 
     def features(self) -> Sequence[Feature]:
-        """MaxText's features, with the load-balancing loss on in :meth:`aux_losses_config`."""
-        return (*super().features(), AuxLosses(("moe_lb_loss",), self.aux_losses_config))
+        """MaxText's features, with the load-balancing loss on in :meth:`aux_losses_config`.
+
+        At 671B, parameters and Adam state in float32 are about 126 GB per chip on the
+        default production slice's 64: the size compiles for 256 v5p chips instead.
+        """
+        return (
+            *super().features(),
+            AuxLosses(("moe_lb_loss",), self.aux_losses_config),
+            Topologies({"deepseek3-671b": "v5p:8x8x4"}),
+        )
 
     def aux_losses_config(self, config: MaxTextConfig) -> MaxTextConfig:
         """``config`` with MaxText's load-balancing loss on (``load_balance_loss_weight``).
