@@ -21,8 +21,10 @@ from conformance.core.references import (
 )
 from conformance.core.sharding import parse_mesh
 from conformance.runtime.recorded import MissingReference, load
+from conformance.runtime.recording import record
 from conformance_models import GOLDENS
 from conformance_models.gpt3.family import Gpt3Family
+from tests.contract.toyzoo.stacked import ToyStacked
 from tests.suite_run import run_check
 
 SMALL = Reference(
@@ -149,3 +151,65 @@ def test_a_renamed_leaf_needs_the_upgrade_hook(old_release, tmp_path, check):
     with pytest.raises(CheckFailure, match=RENAMED):
         run_check(check, families.get("gpt3"), tmp_path, mesh, params=nnx, references=old_release)
     run_check(check, Gpt3UpgradesOldName(), tmp_path, mesh, params=nnx, references=old_release)
+
+
+class StackedRecorded(ToyStacked):
+    """toy-stacked keeping a recorded Linen reference: its stacked leaf is recorded split."""
+
+    def features(self):
+        return (*super().features(), families.Recorded(("linen",)))
+
+
+GATE, UP = "blocks/0/gate/kernel", "blocks/0/up/kernel"
+
+
+@pytest.fixture(scope="module")
+def stacked_reference(tmp_path_factory):
+    """toy-stacked's Linen reference, recorded through its Split rule."""
+    root = tmp_path_factory.mktemp("references")
+    family = StackedRecorded()
+    write(directory(root, family.name, "linen"), record(family, "linen"))
+    return family, root
+
+
+RECORDED = [
+    ("recorded_forward", None),
+    ("recorded_train_step", None),
+    ("recorded_resume", None),
+    ("recorded_decode", None),
+    ("recorded_quant_forward", "ptq_int8"),
+]
+
+
+@pytest.mark.parametrize("backend", ["linen", "nnx"])
+@pytest.mark.parametrize(("check", "quant"), RECORDED)
+def test_a_reference_recorded_through_a_split_replays_on_both_sides(
+    stacked_reference, tmp_path, check, quant, backend
+):
+    family, root = stacked_reference
+    recorded = read(directory(root, family.name, "linen")).arrays
+    assert {f"params/{GATE}", f"params/{UP}"} <= set(recorded)
+    assert not [name for name in recorded if "gate_up" in name]
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    params = {"backend": backend}
+    run_check(check, family, tmp_path, mesh, quant=quant, params=params, references=root)
+
+
+def test_a_reference_with_its_split_halves_swapped_fails_at_the_half(stacked_reference, tmp_path):
+    family, root = stacked_reference
+    committed = read(directory(root, family.name, "linen"))
+    swapped = {f"train/1/grads/{GATE}": f"train/1/grads/{UP}"}
+    swapped |= {new: old for old, new in swapped.items()}
+    arrays = {name: committed.arrays[swapped.get(name, name)] for name in committed.arrays}
+    faulty = tmp_path / "references"
+    write(directory(faulty, family.name, "linen"), Reference(committed.manifest, arrays))
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    with pytest.raises(CheckFailure, match=GATE):
+        run_check(
+            "recorded_train_step",
+            family,
+            tmp_path,
+            mesh,
+            params={"backend": "nnx"},
+            references=faulty,
+        )
