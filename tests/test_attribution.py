@@ -5,12 +5,13 @@ import pytest
 
 from conformance import families
 from conformance.checks import invariance
+from conformance.checks.kernel import quantized_forwards
 from conformance.core import programs
 from conformance.core.failure import CheckFailure
 from conformance.core.rounding import NUDGE_SEEDS
 from conformance.core.sharding import one_device, parse_mesh
 from conformance.runtime.case import Case
-from conformance.runtime.diagnose.attribution import attribute, attribution_text
+from conformance.runtime.diagnose.attribution import attribute, attribution_of, attribution_text
 
 MESH = parse_mesh("data=2,fsdp=2,tensor=2")
 GOOD = {"grads/w": np.ones(4, np.float32)}
@@ -63,7 +64,7 @@ def test_a_failing_one_device_run_is_reported_not_raised():
     def broken():
         raise RuntimeError("no device")
 
-    text = attribution_text(MESH, ("Linen", "NNX"), (GOOD, OFF), broken)
+    text = attribution_text(attribution_of(MESH, ("Linen", "NNX"), (GOOD, OFF), broken))
     assert text == (
         "sharding attribution unavailable: the one-device run failed (RuntimeError: no device)"
     )
@@ -81,6 +82,63 @@ def test_a_quantized_side_may_move_and_only_the_one_device_gap_decides(on_one, v
     assert "Linen on mesh data2-fsdp2-tensor2 differs from itself on one device" in text
     assert "moves values across quantization steps" in text
     assert verdict in text, text
+
+
+def _logits(last: float) -> dict[str, np.ndarray]:
+    return {"logits": np.array([1, 1, 1, last], np.float32)}
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_gap_each_side_moves_as_much_as_when_partitioned_is_no_divergence(quantized):
+    # Each side moves 1.5 and 1.0 from its one-device result; they differ by 0.5.
+    found = attribute(
+        MESH,
+        ("Linen", "NNX"),
+        (_logits(2.5), _logits(2)),
+        (_logits(1), _logits(1)),
+        quantized=quantized,
+    )
+    assert found.within_spread
+    assert found.describe().endswith(
+        "verdict: not a Linen/NNX divergence: the two agree on one device, and on mesh "
+        "data2-fsdp2-tensor2 each moves from its own one-device result by as much as they "
+        "differ there (1 leaf(s), worst logits by 5.000e-01): rounding inside two partitioned "
+        "programs; sharding_invariance judges the partitioning"
+    )
+
+
+@pytest.mark.parametrize(
+    ("on_mesh", "on_one"),
+    [
+        ((_logits(3), _logits(1.5)), (_logits(1), _logits(1))),  # NNX moves 0.5 < 1.5
+        ((_logits(2.5), _logits(2)), (_logits(1), _logits(1.2))),  # apart on one device
+    ],
+)
+def test_a_gap_larger_than_either_move_or_seen_on_one_device_is_not_spread(on_mesh, on_one):
+    found = attribute(MESH, ("Linen", "NNX"), on_mesh, on_one, quantized=True)
+    assert not found.within_spread
+    assert not attribute(parse_mesh("fsdp=1"), ("a", "b"), on_mesh, on_one).within_spread
+
+
+@pytest.mark.parametrize("spread", [True, False])
+def test_quantized_forwards_pass_a_gap_within_the_partitioning_spread(spread):
+    """A QAT pair whose float logits agree bitwise and quantized ones differ by 0.5 on the
+    mesh: the sides quantize differently, unless each moves that much when partitioned."""
+    mesh, one = (_logits(2.5), _logits(2)), (_logits(1), _logits(1 if spread else 2.5))
+
+    def moved():
+        return attribute(MESH, ("Linen", "NNX"), mesh, one, quantized=True)
+
+    logits = (mesh[0]["logits"], mesh[1]["logits"])
+    floats = (GOOD["grads/w"], GOOD["grads/w"])
+    message = quantized_forwards(
+        "qat", ("Linen", "NNX"), logits, floats, (None, None), (None, None), moved
+    )
+    if spread:
+        assert message is None
+        return
+    assert "sharding attribution: " in message
+    assert "verdict: a Linen/NNX divergence: it shows on one device too" in message
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -26,11 +26,13 @@ from conformance.checks.kernel.layouts import (
 from conformance.checks.kernel.logits import (
     Rerun,
     attributed,
+    attribution_text,
     compared,
     error_bound,
     forward_attribution,
     nudged_reruns,
     quantized_forwards,
+    within_spread,
 )
 from conformance.checks.kernel.steps import (
     DROPOUT_RATE,
@@ -52,6 +54,7 @@ __all__ = [
     "Rerun",
     "agreed_specs",
     "attributed",
+    "attribution_text",
     "compared",
     "error_bound",
     "forward_attribution",
@@ -72,4 +75,5 @@ __all__ = [
     "train_pair",
     "train_step_parity",
     "train_steps",
+    "within_spread",
 ]

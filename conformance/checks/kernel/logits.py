@@ -20,7 +20,12 @@ from conformance.core.records import emit_verdict
 from conformance.core.rounding import NUDGE_SEEDS, one_ulp_nudge, rounding_verdict
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
-from conformance.runtime.diagnose.attribution import Pair, attribution_text
+from conformance.runtime.diagnose.attribution import (
+    Attribution,
+    Pair,
+    attribution_of,
+    attribution_text,
+)
 from conformance.runtime.sides import Side
 
 
@@ -58,9 +63,10 @@ def attributed(
     """Which of two results computed on ``case``'s mesh moves on one device, in words.
 
     ``on_one_device`` recomputes both on one device (only called here, after a
-    failure); never raises (:func:`~conformance.runtime.diagnose.attribution.attribution_text`).
+    failure); never raises (:func:`~conformance.runtime.diagnose.attribution.attribution_of`).
     """
-    return attribution_text(case.mesh, names, on_mesh, on_one_device, quantized=quantized)
+    found = attribution_of(case.mesh, names, on_mesh, on_one_device, quantized=quantized)
+    return attribution_text(found)
 
 
 def forward_attribution(
@@ -70,12 +76,13 @@ def forward_attribution(
     params: tuple[Flat, Flat],
     *,
     quantized: bool = False,
-) -> str:
+) -> Attribution | str:
     """Which side's ``logits`` on the case's mesh move when the forward runs on one device.
 
     ``logits`` come from ``params`` (each side's own paths); both forwards are rerun
     from the same parameters on the sides' one-device references, so call it only on a
     failure. ``quantized`` (implied by a quantized case): the forward rounds to a grid.
+    The attribution, or why there is none (the one-device run failed).
     """
 
     def on_one_device() -> Pair:
@@ -88,9 +95,18 @@ def forward_attribution(
 
     on_mesh = ({"logits": logits[0]}, {"logits": logits[1]})
     quantized = quantized or first.case.quant is not None
-    return attributed(
-        first.case, (first.name, second.name), on_mesh, on_one_device, quantized=quantized
-    )
+    names = (first.name, second.name)
+    return attribution_of(first.case.mesh, names, on_mesh, on_one_device, quantized=quantized)
+
+
+def within_spread(found: Attribution | str) -> bool:
+    """Whether an attribution shows a gap that partitioning alone explains.
+
+    :attr:`~conformance.runtime.diagnose.attribution.Attribution.within_spread`: the
+    sides agree on one device and each moves on the mesh by as much as they differ. A
+    quantized or bfloat16 comparison passes then; a float32 one never does.
+    """
+    return isinstance(found, Attribution) and found.within_spread
 
 
 Rerun = Callable[[Flat], Any]
@@ -122,6 +138,7 @@ def quantized_forwards(
     float_logits: tuple[Any, Any],
     reruns: tuple[Rerun | None, Rerun | None],
     float_params: tuple[Flat | None, Flat | None],
+    attribution: Callable[[], Attribution | str] | None = None,
 ) -> str | None:
     """The report of two quantized forwards disagreeing under the quantization-aware policy.
 
@@ -129,7 +146,9 @@ def quantized_forwards(
     across quantization steps (:func:`~conformance.core.rounding.rounding_verdict`,
     judged from the ``float_logits`` of the same parameters and each side's ``reruns``
     from nudged ``float_params``; a side that cannot be rerun, a recording, gives
-    ``None`` for both). A report says what the float forwards show.
+    ``None`` for both), or (given ``attribution``, the forwards on a mesh) differ by no
+    more than partitioning moves each (:func:`within_spread`). A report says what the
+    float forwards show and which side moved.
     """
     found = compare_arrays("logits", *logits)
     verdict = None
@@ -148,10 +167,13 @@ def quantized_forwards(
             ("logits",),
         )
     accepted = verdict is not None and verdict.accepted
+    moved = None if found is None or accepted or attribution is None else attribution()
+    accepted = accepted or (moved is not None and within_spread(moved))
     emit_verdict(title, "logits", *logits, None if accepted else found, names=names)
     if found is None or accepted:
         return None
-    return f"{report(title, [found], names)}\n  {verdict.text}"
+    text = f"{report(title, [found], names)}\n  {verdict.text}"
+    return text if moved is None else f"{text}\n  {attribution_text(moved)}"
 
 
 def error_bound(where: str, quantized: Any, reference: Any, bound: float) -> None:

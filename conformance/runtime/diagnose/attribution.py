@@ -107,6 +107,22 @@ class Attribution:
     quantized: bool = False
     """The computation rounds to a quantization grid: a side's move on the mesh is
     expected (a rounding-level change crosses grid steps), so only ``apart`` decides."""
+    gap: tuple[Mismatch, ...] = ()
+    """Where the two sides differ from each other on the mesh."""
+
+    @property
+    def within_spread(self) -> bool:
+        """The sides agree on one device, and on the mesh each moves by as much as they differ.
+
+        Leaf by leaf, each side's worst move from its own one-device result is at least
+        the sides' worst difference on the mesh. Then the gap is rounding inside two
+        partitioned programs, which a quantized or bfloat16 comparison amplifies: not a
+        divergence between the sides (``sharding_invariance`` judges the partitioning).
+        """
+        if self.mesh.size == 1 or self.apart or not self.gap:
+            return False
+        moves = [{m.path: m.max_abs for m in found} for found in self.moved]
+        return all(min(move.get(m.path, 0.0) for move in moves) >= m.max_abs for m in self.gap)
 
     @property
     def drifted(self) -> list[str]:
@@ -140,6 +156,13 @@ class Attribution:
         a, b = self.names
         if self.mesh.size == 1 and self.drifted:
             return rerun_differs(self.drifted, self.mesh)
+        if self.within_spread:
+            return (
+                f"not a {a}/{b} divergence: the two agree on one device, and on mesh "
+                f"{self.mesh.id} each moves from its own one-device result by as much as "
+                f"they differ there ({_worst(self.gap)}): rounding inside two partitioned "
+                "programs; sharding_invariance judges the partitioning"
+            )
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
         if self.apart and self.quantized:
@@ -183,23 +206,29 @@ def attribute(
         tuple(compare_runs(on_one[0], on_mesh[0])),
         tuple(compare_runs(on_one[1], on_mesh[1])),
     )
-    return Attribution(mesh, names, moved, tuple(compare_runs(*on_one)), quantized)
+    apart, gap = tuple(compare_runs(*on_one)), tuple(compare_runs(*on_mesh))
+    return Attribution(mesh, names, moved, apart, quantized, gap)
 
 
-def attribution_text(
+def attribution_of(
     mesh: MeshSpec,
     names: tuple[str, str],
     on_mesh: Pair,
     reference: Callable[[], Pair],
     *,
     quantized: bool = False,
-) -> str:
-    """:meth:`Attribution.describe` for ``on_mesh``, its one-device pair from ``reference``.
+) -> Attribution | str:
+    """:func:`attribute` of ``on_mesh`` and its one-device pair from ``reference``.
 
-    Never raises: if the one-device run fails, the text says why instead.
+    Never raises: if the one-device run fails, a text that says why instead.
     """
     try:
-        return attribute(mesh, names, on_mesh, reference(), quantized=quantized).describe()
+        return attribute(mesh, names, on_mesh, reference(), quantized=quantized)
     except Exception as err:
         failure = f"{type(err).__name__}: {err}"
         return f"sharding attribution unavailable: the one-device run failed ({failure})"
+
+
+def attribution_text(found: Attribution | str) -> str:
+    """What :func:`attribution_of` found, in words."""
+    return found.describe() if isinstance(found, Attribution) else found
