@@ -103,7 +103,7 @@ def test_a_gap_each_side_moves_as_much_as_when_partitioned_is_no_divergence(quan
         "verdict: not a Linen/NNX divergence: the two agree on one device, and on mesh "
         "data2-fsdp2-tensor2 each moves from its own one-device result by as much as they "
         "differ there (1 leaf(s), worst logits by 5.000e-01): rounding inside two partitioned "
-        "programs; sharding_invariance judges the partitioning"
+        "programs"
     )
 
 
@@ -118,6 +118,23 @@ def test_a_gap_larger_than_either_move_or_seen_on_one_device_is_not_spread(on_me
     found = attribute(MESH, ("Linen", "NNX"), on_mesh, on_one, quantized=True)
     assert not found.within_spread
     assert not attribute(parse_mesh("fsdp=1"), ("a", "b"), on_mesh, on_one).within_spread
+
+
+def test_one_shared_move_does_not_cover_a_gap_spread_over_many_elements():
+    """Both sides cross one step at element 0 when partitioned; NNX also moves every other
+    element by 0.9: no single difference exceeds a move, but the gap's L2 does."""
+    one = {"logits": np.ones(16, np.float32)}
+    linen = {"logits": np.ones(16, np.float32) + np.eye(16, dtype=np.float32)[0]}
+    nnx_ = {"logits": linen["logits"] + np.float32(0.9) * (1 - np.eye(16, dtype=np.float32)[0])}
+    assert not attribute(MESH, ("Linen", "NNX"), (linen, nnx_), (one, one)).within_spread
+
+
+def test_non_finite_values_on_the_mesh_are_never_spread():
+    one = {"logits": np.ones(4, np.float32)}
+    first = {"logits": np.array([np.nan, 1, 1, 1], np.float32)}
+    second = {"logits": np.array([1, 1, 1, np.nan], np.float32)}
+    found = attribute(MESH, ("Linen", "NNX"), (first, second), (one, one), quantized=True)
+    assert not found.within_spread
 
 
 @pytest.mark.parametrize("spread", [True, False])

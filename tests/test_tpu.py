@@ -88,11 +88,15 @@ def test_a_placed_production_size_compiles_for_its_own_slice_alone():
     small, large = TpuTarget.parse("v6e:2x4"), TpuTarget.parse("v5p:4x4x4@production")
     own = production_target("v5p:8x8x8=data=4,fsdp=64,tensor=2")
     assert own == TpuTarget.parse("v5p:8x8x8@production=data=4,fsdp=64,tensor=2")
-    found = compiles((small, large), ("tiny", "8b", "70b"), (True,), {"70b": own})
+    named = TpuTarget.parse("v5p:8x8x4@production")
+    placed = {large: {"70b": own}}
+    found = compiles((small, large, named), ("tiny", "8b", "70b"), (True,), placed)
     assert [c.id for c in found] == [
         "tiny-v6e-2x4-data2-fsdp2-tensor2-scan",
         "8b-v5p-4x4x4-data2-fsdp16-tensor2-scan",
         "70b-v5p-8x8x8-data4-fsdp64-tensor2-scan",
+        "8b-v5p-8x8x4-data2-fsdp64-tensor2-scan",
+        "70b-v5p-8x8x4-data2-fsdp64-tensor2-scan",
     ]
     with pytest.raises(TopologyError, match="a placed slice takes no '@'"):
         production_target("v5p:8x8x8@production")
@@ -106,21 +110,26 @@ class Placing(type(families.get("llama"))):
 def test_families_place_sizes_under_the_default_targets_only(monkeypatch):
     monkeypatch.setattr(session, "slice_devices", lambda name: ())
     family = type("Placing", (Placing,), {"slice": "v5p:8x8x4"})()
-    targets, placed = _tpu_targets(["default"], [family])
+    targets, placed = _tpu_targets(["default", "v5p:8x8x8@production"], [family])
     assert [t.spec for t in targets] == [
         "v6e:2x4=data2-fsdp2-tensor2",
         "v5p:4x4x4@production=data2-fsdp16-tensor2",
+        "v5p:8x8x8@production=data2-fsdp128-tensor2",
     ]
-    assert {f: {s: t.spec for s, t in p.items()} for f, p in placed.items()} == {
-        "llama": {"8b": "v5p:8x8x4@production=data2-fsdp64-tensor2"}
-    }
+    own = TpuTarget.parse("v5p:8x8x4@production")
+    assert placed == {"llama": {targets[1]: {"8b": own}}}
+    found = compiles(targets, family.sizes, (False, True), placed["llama"])
+    assert [c.id for c in found if c.size == "8b"] == [
+        "8b-v5p-8x8x4-data2-fsdp64-tensor2-scan",
+        "8b-v5p-8x8x8-data2-fsdp128-tensor2-scan",
+    ]
     assert _tpu_targets(["v5p:4x4x4@production"], [family])[1] == {}
     malformed = type("Placing", (Placing,), {"slice": "v5p:8x8x4=fsdp=8"})()
     with pytest.raises(TopologyError) as raised:
         _tpu_targets(["default"], [malformed])
     assert str(raised.value) == (
-        "family 'llama', size '8b': TPU target 'v5p:8x8x4@production=fsdp=8': mesh fsdp8 "
-        "needs 8 chips; v5p:8x8x4 has 256"
+        "family 'llama', size '8b': TPU target 'v5p:8x8x4=fsdp=8': mesh fsdp8 needs 8 "
+        "chips; v5p:8x8x4 has 256"
     )
 
 

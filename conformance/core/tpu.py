@@ -121,6 +121,11 @@ class TpuTarget:
         name, _, scale = name.partition("@")
         if scale not in ("", "production"):
             raise TopologyError(f"TPU target {text!r}: '@{scale}' is not '@production'")
+        return cls._of(text, name, mesh_text, bool(scale))
+
+    @classmethod
+    def _of(cls, text: str, name: str, mesh_text: str, production: bool) -> TpuTarget:
+        """The target of slice ``name`` and mesh ``mesh_text``; errors quote ``text``."""
         topology = Topology.parse(name)
         try:
             mesh = parse_mesh(mesh_text) if mesh_text else default_mesh(topology.chips)
@@ -131,7 +136,7 @@ class TpuTarget:
                 f"TPU target {text!r}: mesh {mesh.id} needs {mesh.size} chips; "
                 f"{topology.name} has {topology.chips}"
             )
-        return cls(topology, mesh, bool(scale))
+        return cls(topology, mesh, production)
 
     @property
     def id(self) -> str:
@@ -186,14 +191,14 @@ def compiles(
     targets: tuple[TpuTarget, ...],
     sizes: tuple[str, ...],
     layouts: tuple[bool, ...],
-    placed: Mapping[str, TpuTarget] | None = None,
+    placed: Mapping[TpuTarget, Mapping[str, TpuTarget]] | None = None,
 ) -> list[TpuCompile]:
     """What a family of ``sizes`` and layer ``layouts`` compiles for ``targets``.
 
     The device size in every layout; a production size in the scanned layout alone when
     the family has it (production trains scanned; 32 unrolled layers compile for
-    minutes), else in its first. ``placed`` moves a production size from every
-    production target to its own (a family's ``Topologies``, under ``--tpu default``).
+    minutes), else in its first. ``placed`` moves a production size from a production
+    target to another (``--tpu default``'s, to where the family's ``Topologies`` puts it).
     """
     placed = placed or {}
     found = []
@@ -202,7 +207,7 @@ def compiles(
             kept, where = layouts, target
             if target.production:
                 kept = (True,) if True in layouts else layouts[:1]
-                where = placed.get(size, target)
+                where = placed.get(target, {}).get(size, target)
             found += [TpuCompile(where, size, scan) for scan in kept]
     return list(dict.fromkeys(found))
 
@@ -210,12 +215,12 @@ def compiles(
 def production_target(text: str) -> TpuTarget:
     """The production target a family places a size on: ``GEN:AxB[xC][=MESH]``.
 
-    :class:`TopologyError` (as :meth:`TpuTarget.parse` raises it) if ``text`` names none.
+    :class:`TopologyError` quoting ``text`` if it names none.
     """
-    name, equals, mesh = text.partition("=")
+    name, _, mesh = text.partition("=")
     if "@" in name:
         raise TopologyError(f"TPU slice {text!r}: a placed slice takes no '@'")
-    return TpuTarget.parse(f"{name}@production{equals}{mesh}")
+    return TpuTarget._of(text, name, mesh, True)
 
 
 def libtpu_version() -> str | None:

@@ -60,9 +60,11 @@ class Settings:
     """Where each family's goldens and recorded references live."""
     tpu: tuple[TpuTarget, ...] = ()
     """The TPU slices both sides are compiled for (``--tpu``); none by default."""
-    placed: Mapping[str, Mapping[str, TpuTarget]] = dataclasses.field(default_factory=dict)
-    """Family -> production size -> the slice it compiles for instead of the production
-    targets (its ``Topologies``, under ``--tpu default``)."""
+    placed: Mapping[str, Mapping[TpuTarget, Mapping[str, TpuTarget]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Family -> ``--tpu default``'s production target -> production size -> the slice
+    the size compiles for instead (the family's ``Topologies``)."""
 
     @property
     def run_meshes(self) -> list[MeshSpec]:
@@ -106,9 +108,12 @@ class Settings:
                 f"conformance: TPU compiles (libtpu {libtpu_version()}, XLA defaults, nothing "
                 f"runs): {'; '.join(map(str, self.tpu))}"
                 + "".join(
-                    f"; {family} {size} on {target.spec}"
-                    for family, sizes in self.placed.items()
-                    for size, target in sizes.items()
+                    dict.fromkeys(
+                        f"; {family} {size} on {target.spec}"
+                        for family, by_target in self.placed.items()
+                        for sizes in by_target.values()
+                        for size, target in sizes.items()
+                    )
                 )
                 + (f"; libtpu start-up wrote {len(NOISE)} line(s), held back" if NOISE else "")
             )
@@ -308,27 +313,31 @@ def configure(config: pytest.Config, tier: Tier) -> Settings:
 
 def _tpu_targets(
     values: list[str], families: list[Family]
-) -> tuple[tuple[TpuTarget, ...], dict[str, dict[str, TpuTarget]]]:
+) -> tuple[tuple[TpuTarget, ...], dict[str, dict[TpuTarget, dict[str, TpuTarget]]]]:
     """The TPU targets ``--tpu`` names, and the production sizes families place elsewhere.
 
-    ``default`` names :data:`~options.DEFAULT_TPU`, and lets each family place a
-    production size on a slice of its own (``Topologies``). Each slice is described by
-    libtpu here, before any test, so a missing libtpu, a topology it does not know or a
+    ``default`` names :data:`~options.DEFAULT_TPU`, and lets each family move a
+    production size from its production slice to one of its own (``Topologies``); a
+    slice named on the command line keeps every size. Each slice is described by libtpu
+    here, before any test, so a missing libtpu, a topology it does not know or a
     family's malformed ``Topologies`` is a usage error, never a run of skips.
     """
     names = [n for v in values for n in (options.DEFAULT_TPU if v == "default" else [v])]
     targets = tuple(dict.fromkeys(TpuTarget.parse(name) for name in names))
-    placed: dict[str, dict[str, TpuTarget]] = {}
+    placed: dict[str, dict[TpuTarget, dict[str, TpuTarget]]] = {}
     if "default" in values:
+        defaults = [t for t in map(TpuTarget.parse, options.DEFAULT_TPU) if t.production]
         for family in families:
+            sizes = {}
             for size, text in contract.production_topologies(family).items():
                 try:
-                    target = production_target(text)
+                    sizes[size] = production_target(text)
                 except TopologyError as err:
                     raise TopologyError(f"family {family.name!r}, size {size!r}: {err}") from None
-                placed.setdefault(family.name, {})[size] = target
-    described = {*targets, *(t for sizes in placed.values() for t in sizes.values())}
-    for name in dict.fromkeys(target.topology.name for target in described):
+            if sizes:
+                placed[family.name] = dict.fromkeys(defaults, sizes)
+    own = [t for by_target in placed.values() for s in by_target.values() for t in s.values()]
+    for name in dict.fromkeys(target.topology.name for target in (*targets, *own)):
         slice_devices(name)
     return targets, placed
 

@@ -153,7 +153,8 @@ def features_table() -> str:
     """Every typed feature: how it is written, what it enables, its first-edition spelling.
 
     From each feature's docstring: its first paragraph, and the first sentence of its
-    second, which names the first edition's spelling (or says the feature is new).
+    second, which names the first edition's spelling (or says the feature is new in the
+    second edition).
     """
     rows = [
         "| feature | ability (`unsupported` key) | what it is for | first edition |",
@@ -163,8 +164,6 @@ def features_table() -> str:
     for kind in kinds:
         summary, rest = (inspect.getdoc(kind) or "").split("\n\n", 2)[:2]
         first = rest.split(". ", 1)[0].removesuffix(".").removeprefix("The first edition's ")
-        if kind not in FIRST_EDITION:
-            first = "none (new)"
         rows.append(
             f"| {_signature(kind)} | `{kind.capability}` | {_cell(summary)} | {_cell(first)} |"
         )

@@ -103,8 +103,9 @@ def within_spread(found: Attribution | str) -> bool:
     """Whether an attribution shows a gap that partitioning alone explains.
 
     :attr:`~conformance.runtime.diagnose.attribution.Attribution.within_spread`: the
-    sides agree on one device and each moves on the mesh by as much as they differ. A
-    quantized or bfloat16 comparison passes then; a float32 one never does.
+    sides agree on one device and each moves on the mesh by as much as they differ. The
+    quantized forwards and the bfloat16 ``forward`` pass then; an unquantized float32
+    forward does not ask.
     """
     return isinstance(found, Attribution) and found.within_spread
 

@@ -19,6 +19,7 @@ import numpy as np
 from conformance.core.distributed import host_array
 from conformance.core.environment import GPU_DETERMINISTIC_FLAG
 from conformance.core.numerics import Mismatch, compare_trees, tolerance_for
+from conformance.core.rounding import relative_l2
 from conformance.core.sharding import MeshSpec
 from conformance.core.trees import Flat
 
@@ -94,9 +95,38 @@ def rerun_differs(names: Sequence[str], mesh: MeshSpec) -> str:
     )
 
 
+def _spread_covers(path: str, on_mesh: Pair, on_one: Pair) -> bool:
+    """Whether, in leaf ``path``, each side moves when partitioned by as much as they differ.
+
+    Each side's move (its mesh result against its one-device result) must be at least
+    the sides' difference on the mesh both in the worst absolute difference and in
+    relative L2, every value finite: a move concentrated in a few elements (one crossed
+    quantization step) does not cover a difference spread over many.
+    """
+    if any(path not in flat for flat in (*on_mesh, *on_one)):
+        return False
+    first, second, one_first, one_second = (
+        np.asarray(host_array(flat[path]), np.float64) for flat in (*on_mesh, *on_one)
+    )
+    if len({x.shape for x in (first, second, one_first, one_second)}) != 1:
+        return False
+    if not all(np.isfinite(x).all() for x in (first, second, one_first, one_second)):
+        return False
+    gap = (float(np.max(np.abs(first - second), initial=0.0)), relative_l2(first, second))
+    moves = [
+        (float(np.max(np.abs(mesh - one), initial=0.0)), relative_l2(mesh, one))
+        for mesh, one in ((first, one_first), (second, one_second))
+    ]
+    return all(move[i] >= gap[i] for move in moves for i in (0, 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class Attribution:
-    """Each side on a mesh against itself on one device, and the two on one device."""
+    """Each side on a mesh against itself on one device, and the two on one device.
+
+    With the two sides' difference on the mesh (:attr:`gap`) and whether partitioning
+    alone explains it (:attr:`within_spread`).
+    """
 
     mesh: MeshSpec
     names: tuple[str, str]
@@ -109,20 +139,11 @@ class Attribution:
     expected (a rounding-level change crosses grid steps), so only ``apart`` decides."""
     gap: tuple[Mismatch, ...] = ()
     """Where the two sides differ from each other on the mesh."""
-
-    @property
-    def within_spread(self) -> bool:
-        """The sides agree on one device, and on the mesh each moves by as much as they differ.
-
-        Leaf by leaf, each side's worst move from its own one-device result is at least
-        the sides' worst difference on the mesh. Then the gap is rounding inside two
-        partitioned programs, which a quantized or bfloat16 comparison amplifies: not a
-        divergence between the sides (``sharding_invariance`` judges the partitioning).
-        """
-        if self.mesh.size == 1 or self.apart or not self.gap:
-            return False
-        moves = [{m.path: m.max_abs for m in found} for found in self.moved]
-        return all(min(move.get(m.path, 0.0) for move in moves) >= m.max_abs for m in self.gap)
+    within_spread: bool = False
+    """The sides agree on one device, and in every leaf where they differ on the mesh,
+    each moves from its own one-device result by at least as much (:func:`attribute`).
+    Then the gap is rounding inside two partitioned programs, which a quantized or
+    bfloat16 comparison amplifies: not a divergence between the sides."""
 
     @property
     def drifted(self) -> list[str]:
@@ -161,7 +182,7 @@ class Attribution:
                 f"not a {a}/{b} divergence: the two agree on one device, and on mesh "
                 f"{self.mesh.id} each moves from its own one-device result by as much as "
                 f"they differ there ({_worst(self.gap)}): rounding inside two partitioned "
-                "programs; sharding_invariance judges the partitioning"
+                "programs"
             )
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
@@ -197,7 +218,11 @@ class Attribution:
 def attribute(
     mesh: MeshSpec, names: tuple[str, str], on_mesh: Pair, on_one: Pair, *, quantized: bool = False
 ) -> Attribution:
-    """Compare each side of ``on_mesh`` with its one-device result, and those two.
+    """Compare each side of ``on_mesh`` with its one-device result, those two, and the sides.
+
+    The sides on the mesh decide :attr:`Attribution.within_spread` (leaf by leaf, each
+    side's move covers the gap in worst absolute difference and in relative L2, every
+    value finite).
 
     ``quantized``: the results come through a quantization grid (see
     :attr:`Attribution.quantized`).
@@ -207,7 +232,9 @@ def attribute(
         tuple(compare_runs(on_one[1], on_mesh[1])),
     )
     apart, gap = tuple(compare_runs(*on_one)), tuple(compare_runs(*on_mesh))
-    return Attribution(mesh, names, moved, apart, quantized, gap)
+    spread = mesh.size > 1 and not apart and bool(gap)
+    spread = spread and all(_spread_covers(m.path, on_mesh, on_one) for m in gap)
+    return Attribution(mesh, names, moved, apart, quantized, gap, spread)
 
 
 def attribution_of(
