@@ -103,7 +103,8 @@ def test_a_gap_each_side_moves_as_much_as_when_partitioned_is_no_divergence(quan
         "verdict: not a Linen/NNX divergence: the two agree on one device, and on mesh "
         "data2-fsdp2-tensor2 each moves from its own one-device result by as much as they "
         "differ there (1 leaf(s), worst logits by 5.000e-01): rounding inside two partitioned "
-        "programs"
+        "programs, which a quantized or bfloat16 comparison accepts and a float32 one holds "
+        "to its tolerance"
     )
 
 

@@ -96,7 +96,7 @@ def check_forward(case: Case) -> None:
     outside tolerance passes when NNX is no farther than Linen from Linen's float32
     result from the same parameters (the policy's tie-break), and logits pass when the
     sides agree on one device and each moves on the mesh by as much as they differ
-    (partitioning's rounding, which ``sharding_invariance`` judges).
+    (rounding inside two partitioned programs, see ``docs/tolerances.md``).
     """
     linen, nnx_ = live_pair(case)
     paired(linen, nnx_)

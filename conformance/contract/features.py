@@ -345,8 +345,8 @@ class Topologies(Feature):
     slice and every production size for ``v5p:4x4x4`` (64 chips); a size that does not
     fit 64 chips (DeepSeek-V3's 671B parameters with their optimizer state) names the
     slice it trains on here, so the ``tpu_compile`` check judges it where it would run.
-    A slice named on the command line (``--tpu GEN:AxB[xC]@production``) still takes
-    every production size, whatever is declared.
+    Any other slice named on the command line (``--tpu GEN:AxB[xC]@production``) still
+    takes every production size, whatever is declared.
     """
 
     capability: ClassVar[str] = "topologies"

@@ -317,9 +317,9 @@ def _tpu_targets(
     """The TPU targets ``--tpu`` names, and the production sizes families place elsewhere.
 
     ``default`` names :data:`~options.DEFAULT_TPU`, and lets each family move a
-    production size from its production slice to one of its own (``Topologies``); a
-    slice named on the command line keeps every size. Each slice is described by libtpu
-    here, before any test, so a missing libtpu, a topology it does not know or a
+    production size from its production slice to one of its own (``Topologies``); any
+    other slice named on the command line keeps every size. Each slice is described by
+    libtpu here, before any test, so a missing libtpu, a topology it does not know or a
     family's malformed ``Topologies`` is a usage error, never a run of skips.
     """
     names = [n for v in values for n in (options.DEFAULT_TPU if v == "default" else [v])]

@@ -19,7 +19,6 @@ import numpy as np
 from conformance.core.distributed import host_array
 from conformance.core.environment import GPU_DETERMINISTIC_FLAG
 from conformance.core.numerics import Mismatch, compare_trees, tolerance_for
-from conformance.core.rounding import relative_l2
 from conformance.core.sharding import MeshSpec
 from conformance.core.trees import Flat
 
@@ -99,8 +98,8 @@ def _spread_covers(path: str, on_mesh: Pair, on_one: Pair) -> bool:
     """Whether, in leaf ``path``, each side moves when partitioned by as much as they differ.
 
     Each side's move (its mesh result against its one-device result) must be at least
-    the sides' difference on the mesh both in the worst absolute difference and in
-    relative L2, every value finite: a move concentrated in a few elements (one crossed
+    the sides' difference on the mesh both in the worst absolute difference and in L2
+    norm, every value finite: a move concentrated in a few elements (one crossed
     quantization step) does not cover a difference spread over many.
     """
     if any(path not in flat for flat in (*on_mesh, *on_one)):
@@ -112,11 +111,12 @@ def _spread_covers(path: str, on_mesh: Pair, on_one: Pair) -> bool:
         return False
     if not all(np.isfinite(x).all() for x in (first, second, one_first, one_second)):
         return False
-    gap = (float(np.max(np.abs(first - second), initial=0.0)), relative_l2(first, second))
-    moves = [
-        (float(np.max(np.abs(mesh - one), initial=0.0)), relative_l2(mesh, one))
-        for mesh, one in ((first, one_first), (second, one_second))
-    ]
+
+    def size(difference: np.ndarray) -> tuple[float, float]:
+        return float(np.max(np.abs(difference), initial=0.0)), float(np.linalg.norm(difference))
+
+    gap = size(first - second)
+    moves = (size(first - one_first), size(second - one_second))
     return all(move[i] >= gap[i] for move in moves for i in (0, 1))
 
 
@@ -182,7 +182,8 @@ class Attribution:
                 f"not a {a}/{b} divergence: the two agree on one device, and on mesh "
                 f"{self.mesh.id} each moves from its own one-device result by as much as "
                 f"they differ there ({_worst(self.gap)}): rounding inside two partitioned "
-                "programs"
+                "programs, which a quantized or bfloat16 comparison accepts and a float32 "
+                "one holds to its tolerance"
             )
         movers = " and ".join(self.movers)
         verb = "computes" if len(self.movers) == 1 else "compute"
@@ -221,8 +222,8 @@ def attribute(
     """Compare each side of ``on_mesh`` with its one-device result, those two, and the sides.
 
     The sides on the mesh decide :attr:`Attribution.within_spread` (leaf by leaf, each
-    side's move covers the gap in worst absolute difference and in relative L2, every
-    value finite).
+    side's move covers the gap in worst absolute difference and in L2 norm, every value
+    finite).
 
     ``quantized``: the results come through a quantization grid (see
     :attr:`Attribution.quantized`).
