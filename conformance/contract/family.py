@@ -90,7 +90,8 @@ class Family(abc.ABC):
     """Config sizes. The first is run on devices by every numeric check; the others (for
     example production sizes) are only evaluated abstractly: structure and sharding
     goldens, without allocating parameters, and compiled for a production TPU slice
-    (``--tpu GEN:AxB[xC]@production``)."""
+    (``--tpu GEN:AxB[xC]@production``; under ``--tpu default``, ``v5p:4x4x4`` unless a
+    :class:`~conformance.contract.Topologies` feature places the size elsewhere)."""
 
     capabilities: Capabilities = Capabilities()
 
@@ -172,8 +173,11 @@ class Family(abc.ABC):
         the scope, ``AuxLosses`` the sown names and the config that turns them on,
         ``Layouts`` the layer layouts and their stack rules in canonical paths,
         ``Recorded`` the recorded backends and the upgrade of old references,
-        ``Bridges`` the bridged module counts, ``Release`` the release goldens are kept by.
-        Declaring an ability in both spellings is a load error. None by default.
+        ``Bridges`` the bridged module counts, ``Release`` the release goldens are kept by,
+        ``PersistentState`` the Variable types kept as persistent state (default: none)
+        and ``Topologies`` the TPU slice each production size compiles for under ``--tpu
+        default`` (default: ``v5p:4x4x4``). Declaring an ability in both spellings is a
+        load error. None by default.
         """
         return ()
 
