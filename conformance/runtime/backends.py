@@ -10,7 +10,7 @@ and are reused by every check in the scope, and released with it.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -35,6 +35,7 @@ from conformance.core.trees import (
     unflatten,
     variable_kind,
 )
+from conformance.runtime.calls import Around, linen_calls, nnx_calls
 from conformance.runtime.provenance import Built, LinenBridges, nnx_built
 from conformance.runtime.quant import MODES, quantize_linen, quantize_nnx
 
@@ -145,6 +146,14 @@ class Runner(abc.ABC):
         beside the batch) asks for more. The collection is ``collect``: what the model
         sowed, by default. ``held`` sets collections beside the parameters first, by
         Linen collection name.
+        """
+
+    @abc.abstractmethod
+    def intercepted(self, around: Around) -> Callable[[Any, Any, Batch], jax.Array]:
+        """The forward as a traceable ``f(params, context, batch) -> logits``.
+
+        Every module method call it traces runs through ``around``
+        (:mod:`conformance.runtime.calls`); trace it anew for each ``around``.
         """
 
     @abc.abstractmethod
@@ -265,6 +274,15 @@ class LinenRunner(Runner):
     def _ptq(self, float_params: Flat) -> Flat:
         return self._quantize(float_params)
 
+    def intercepted(self, around: Around) -> Callable[[Any, Any, Batch], jax.Array]:
+        """``module.apply`` inside :func:`~conformance.runtime.calls.linen_calls`."""
+
+        def forward(params: Any, context: None, batch: Batch) -> jax.Array:
+            with linen_calls(around):
+                return self.module.apply({"params": params}, *model_inputs(batch))
+
+        return forward
+
     def _init_impl(self, key: jax.Array, batch: Batch) -> dict[str, Any]:
         return nn.meta.unbox(self.module.init(key, *model_inputs(batch))["params"])
 
@@ -370,6 +388,16 @@ class NnxRunner(Runner):
         if collect == INTERMEDIATES:
             return out, sown
         return out, nnx.state(model, nnx.variable_type_from_name(collect, allow_register=True))
+
+    def intercepted(self, around: Around) -> Callable[[Any, Any, Batch], jax.Array]:
+        """The merged model called inside :func:`~conformance.runtime.calls.nnx_calls`."""
+
+        def forward(params: nnx.State, context: nnx.State, batch: Batch) -> jax.Array:
+            model = nnx.merge(self.graphdef, params, context)
+            with nnx_calls(model, around):
+                return nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))[0]
+
+        return forward
 
     def _init_impl(self, seed: int) -> nnx.State:
         return nnx.split(self.build(seed), nnx.Param, ...)[1]

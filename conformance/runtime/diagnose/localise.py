@@ -1,8 +1,7 @@
 """Find the first module whose output diverges, with no help from the family.
 
-Both sides run the same forward once more, with every module method call recorded: a
-Linen method interceptor on one side, the NNX module classes' methods wrapped for the
-duration of the trace on the other. Each call sends its array inputs and outputs to the
+Both sides run the same forward once more, with every module method call recorded
+(:mod:`conformance.runtime.calls`). Each call sends its array inputs and outputs to the
 host through ``jax.debug.callback``, so calls inside ``scan`` or ``remat`` bodies are
 recorded once per iteration. Modules are paired through the family's path map (a module
 is paired with the NNX module that holds exactly the images of its parameters), calls by
@@ -17,31 +16,25 @@ is never paid by a passing suite.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import inspect
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
-from flax import nnx
-from flax.core import tracers
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conformance.contract import Batch, PathRules
 from conformance.core.distributed import host_array, is_multiprocess
 from conformance.core.numerics import Mismatch, compare_arrays
-from conformance.core.trees import Flat, PathMapError, join_path, map_paths
-from conformance.runtime.backends import LinenRunner, NnxRunner, mesh_of, model_inputs
+from conformance.core.trees import Flat, PathMapError, map_paths
+from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, mesh_of
+from conformance.runtime.calls import ModuleCall
 
 CallKey = tuple[str, str, int]
 """``(module path, method name, how many calls of it came before)``."""
-
-_PATH_ATTR = "_conformance_module_path"
 
 
 @dataclasses.dataclass
@@ -66,6 +59,13 @@ class Recorder:
         self.calls: dict[CallKey, Call] = {}
         self._order: dict[tuple[str, str], int] = {}
         self._count: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def around(self, call: ModuleCall, run: Callable[[], Any]) -> Any:
+        """Run ``call``, then stage a host callback for its values (not in lifted calls)."""
+        output = run()
+        if not call.lifted:
+            self.trace(call.path, call.method, call.args, output)
+        return output
 
     def trace(self, path: str, method: str, args: Any, output: Any) -> None:
         """Called while tracing a method call: stage a host callback for its values."""
@@ -104,90 +104,18 @@ def _arrays(tree: Any) -> list[jax.Array]:
     ]
 
 
-def _traced_method(name: str, base: Any) -> bool:
-    """Whether a method of a module class is recorded: ``__call__`` and public methods."""
-    return name == "__call__" or (not name.startswith("_") and not hasattr(base, name))
+def record(runner: Runner, params: Flat, batch: Batch) -> Recorder:
+    """Run ``runner``'s forward once, recording every module method call.
 
-
-def record_linen(runner: LinenRunner, params: Flat, batch: Batch) -> Recorder:
-    """Run the Linen forward once, recording every module method call.
-
-    Calls inside a Linen lifted transform (``nn.scan``, ``nn.remat``, ...) are not
+    Linen calls inside a lifted transform (``nn.scan``, ``nn.remat``, ...) are not
     recorded: ``nn.scan`` traces its body once more to find broadcast variables and
     refuses any effect there. The transformed module's own call is recorded.
     """
     recorder = Recorder(mesh_of(params))
-
-    def forward(tree: Any, batch: Batch) -> Any:
-        outer = tracers.current_trace()
-
-        def interceptor(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-            output = next_fun(*args, **kwargs)
-            lifted = context.module.scope.trace_level != outer
-            if not lifted and _traced_method(context.method_name, nn.Module):
-                path = "/".join(context.module.path)
-                recorder.trace(path, context.method_name, (args, kwargs), output)
-            return output
-
-        with nn.intercept_methods(interceptor):
-            return runner.module.apply({"params": tree}, *model_inputs(batch))
-
+    forward = runner.intercepted(recorder.around)
+    context = runner.context(mesh_of(params))
     # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
-    jax.block_until_ready(jax.jit(forward)(runner.pack(params), batch))
-    jax.effects_barrier()
-    return recorder
-
-
-@contextlib.contextmanager
-def _nnx_methods_recorded(model: nnx.Module, recorder: Recorder) -> Iterator[None]:
-    """Wrap the recorded methods of every module class in ``model`` while tracing."""
-    classes = set()
-    for path, module in nnx.iter_modules(model):
-        object.__setattr__(module, _PATH_ATTR, join_path(path))
-        if not isinstance(module, nnx.List | nnx.Dict):
-            classes.add(type(module))
-    originals = {
-        (cls, name): (name in vars(cls), inspect.getattr_static(cls, name))
-        for cls in classes
-        for name in dir(cls)
-        if _traced_method(name, nnx.Module)
-        and inspect.isfunction(inspect.getattr_static(cls, name))
-    }
-
-    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def recorded(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-            output = method(self, *args, **kwargs)
-            path = getattr(self, _PATH_ATTR, None)
-            if path is not None:
-                recorder.trace(path, name, (args, kwargs), output)
-            return output
-
-        return recorded
-
-    try:
-        for (cls, name), (_, method) in originals.items():
-            setattr(cls, name, wrap(name, method))
-        yield
-    finally:
-        for (cls, name), (own, method) in originals.items():
-            if own:
-                setattr(cls, name, method)
-            else:
-                delattr(cls, name)
-
-
-def record_nnx(runner: NnxRunner, params: Flat, batch: Batch) -> Recorder:
-    """Run the NNX forward once, recording every module method call."""
-    recorder = Recorder(mesh_of(params))
-
-    def forward(state: nnx.State, rest: nnx.State, batch: Batch) -> Any:
-        model = nnx.merge(runner.graphdef, state, rest)
-        with _nnx_methods_recorded(model, recorder):
-            return nnx.capture(model, nnx.Intermediate)(*model_inputs(batch))[0]
-
-    state, rest = runner.pack(params), runner.rest(mesh_of(params))
-    # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
-    jax.block_until_ready(jax.jit(forward)(state, rest, batch))
+    jax.block_until_ready(jax.jit(forward)(runner.pack(params), context, batch))
     jax.effects_barrier()
     return recorder
 
@@ -370,8 +298,8 @@ def localise(
         )
     try:
         found = first_divergence(
-            record_linen(linen, linen_params, batch),
-            record_nnx(nnx_, nnx_params, batch),
+            record(linen, linen_params, batch),
+            record(nnx_, nnx_params, batch),
             leaves,
             rules,
         )
