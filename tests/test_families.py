@@ -17,6 +17,7 @@ from conformance.checks import registry
 from conformance.checks.declare import Axis, Check
 from conformance.contract import (
     Backend,
+    accepted_precision,
     aux_losses,
     declared,
     discovery,
@@ -47,6 +48,8 @@ from conformance.families import (
     Fp8,
     Layouts,
     PersistentState,
+    Precision,
+    PrecisionChange,
     Qwix,
     Recorded,
     Release,
@@ -643,6 +646,23 @@ def test_topologies_place_production_sizes_and_are_checked_at_load():
         "family 'gpt3' places size '6b' on 'v5p:8x8@production' in Topologies; give a slice "
         "as --tpu names one, without '@production' ('v5p:8x8x8')",
     ]
+
+
+def test_accepted_precision_changes_are_read_and_checked_at_load():
+    change = PrecisionChange(r"layers_\d+/attn", ("exp",), "NNX's softmax runs in float32")
+    family = _declaring(Gpt3Family, Precision((change,)))
+    assert problems(family) == []
+    assert accepted_precision(family) == (change,)
+    assert accepted_precision(Gpt3Family()) == ()
+    wrong = (
+        PrecisionChange("layers_(", ("exp",), "an unclosed group"),
+        PrecisionChange("attn", "exp", "ops as one string"),
+        PrecisionChange("attn", ("exp",), ""),
+    )
+    found = problems(_declaring(Gpt3Family, Precision(wrong)))
+    assert len(found) == 3
+    assert all(line.startswith("family 'gpt3' accepts PrecisionChange(") for line in found)
+    assert all(line.endswith("reason=<why>)") for line in found)
 
 
 def _declaring(base, *features):

@@ -19,8 +19,10 @@ from conformance.checks.kernel import (
     attribution_text,
     forward_attribution,
     paired,
+    precision_differences,
     within_spread,
 )
+from conformance.contract import accepted_precision
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import (
@@ -34,6 +36,7 @@ from conformance.core.numerics import (
 from conformance.core.records import emit, emit_verdict, listening, measure
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.localise import Divergence, localise
+from conformance.runtime.precision import unmatched
 from conformance.runtime.sides import LinenSide, live_pair, live_sides
 
 
@@ -147,6 +150,44 @@ def check_forward(case: Case) -> None:
             report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
             + f"\n  {where}\n  {attribution_text(moved)}"
         )
+
+
+_PRECISION_CAUSE = (
+    "likely cause: a precision change (an operation computed, or a value passed, in "
+    "another dtype), not a numeric divergence; a family that means it accepts it with "
+    "Precision(accepted=(PrecisionChange(module, ops, reason),)) in its features"
+)
+
+
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary")
+def check_precision(case: Case) -> None:
+    """Each paired module computes in the same dtypes on both sides, in float32 and bfloat16.
+
+    Both forwards are traced in each compute dtype, never run
+    (:mod:`conformance.runtime.precision`): each module's ``dot_general`` operand and
+    result dtypes, transcendental and reduction dtypes, and the floating-point dtypes its
+    calls take and return must agree, unless the family's
+    :class:`~conformance.contract.Precision` accepts the difference. An accepted change
+    that covers no difference in either dtype fails too: it is stale or misspelt.
+    """
+    accepted = accepted_precision(case.family)
+    rules = case.family.path_rules(case.bound)
+    found, unused = [], list(accepted)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        linen, nnx_ = live_pair(case.in_dtype(dtype))
+        paired(linen, nnx_)
+        left, missed = unmatched(precision_differences(linen, nnx_, case.batch(), rules), accepted)
+        unused = [change for change in unused if change in missed]
+        found += [f"{jnp.dtype(dtype).name} compute: {d.describe()}" for d in left]
+    if found:
+        found.append(_PRECISION_CAUSE)
+    found += [
+        f"accepted {change.module!r} {', '.join(change.ops)} ({change.reason}) matches no "
+        "difference in float32 or bfloat16 compute: stale or misspelt (Precision in the "
+        "family's features)"
+        for change in unused
+    ]
+    fail_if_any(f"precision profiles differ ({case.layout} layout)", found)
 
 
 def unusable(logits: np.ndarray) -> np.ndarray:

@@ -4,6 +4,7 @@ Nothing here imports another harness module; everything else builds on it.
 """
 
 from conformance.contract.declared import (
+    accepted_precision,
     aux_losses,
     declared,
     first_edition,
@@ -41,6 +42,8 @@ from conformance.contract.features import (
     Fp8,
     Layouts,
     PersistentState,
+    Precision,
+    PrecisionChange,
     Qwix,
     Recorded,
     Release,
@@ -89,6 +92,8 @@ __all__ = [
     "Fp8",
     "Layouts",
     "PersistentState",
+    "Precision",
+    "PrecisionChange",
     "LeafTransform",
     "LogicalRules",
     "DECODE_STYLES",
@@ -106,6 +111,7 @@ __all__ = [
     "Topologies",
     "Transpose",
     "VocabTiling",
+    "accepted_precision",
     "aux_losses",
     "builtin",
     "declared",

@@ -24,6 +24,8 @@ from conformance.contract.features import (
     Fp8,
     Layouts,
     PersistentState,
+    Precision,
+    PrecisionChange,
     Qwix,
     Recorded,
     Release,
@@ -228,6 +230,12 @@ def production_topologies(family: Family) -> Mapping[str, str]:
     """Each production size ``family`` places on its own TPU slice (:class:`Topologies`)."""
     found = declared(family, Topologies)
     return {} if found is None else dict(found.production)
+
+
+def accepted_precision(family: Family) -> tuple[PrecisionChange, ...]:
+    """The precision differences ``family`` accepts (:class:`Precision`); none by default."""
+    found = declared(family, Precision)
+    return () if found is None else tuple(found.accepted)
 
 
 def _spelt(old: str, new: str) -> Callable[[Family], tuple[str, str]]:

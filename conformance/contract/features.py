@@ -357,6 +357,35 @@ class Topologies(Feature):
     A size it leaves out compiles for the default slice."""
 
 
+@dataclasses.dataclass(frozen=True)
+class PrecisionChange:
+    """A precision difference between the backends a family accepts, with its reason."""
+
+    module: str
+    r"""A regular expression matched in full against the module's Linen or NNX path
+    (``r"layers(_\d+|/\d+)?/attn"`` for every layer's attention, in either layout)."""
+    ops: tuple[str, ...]
+    """The operations it covers (``exp``, ``dot_general``, ``reduce_sum``), or
+    ``"<method> takes"`` and ``"<method> returns"`` for the dtypes a call takes or returns."""
+    reason: str
+    """Why it is accepted, in words: a run that meets it says so."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision(Feature):
+    """Precision differences the ``precision`` check accepts, each with its reason.
+
+    New in the second edition. The ``precision`` check compares which dtypes each module
+    computes in on each side; a difference one of :attr:`accepted` covers passes (Flax
+    0.12's NNX attention computes its softmax in float32 where Linen's computes it in the
+    compute dtype: a change a zoo may accept). One that covers no difference in a run
+    fails it, so a stale or misspelt entry is found.
+    """
+
+    capability: ClassVar[str] = "precision"
+    accepted: tuple[PrecisionChange, ...]
+
+
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
     """``base`` with each of ``new`` in place of the feature of its kind (added if none).
 

@@ -8,6 +8,7 @@ family with any (:func:`validate`).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from conformance.contract.features import (
     Decode,
     Feature,
     Layouts,
+    Precision,
+    PrecisionChange,
     Qwix,
     Recorded,
     Topologies,
@@ -90,6 +93,7 @@ def problems(family: Family) -> list[str]:
     found += _names(family)
     found += _bridges(family)
     found += _topologies(family)
+    found += _precision(family)
     found += _decoding(family)
     found += _divergences(family)
     if not family.has_linen and not recorded:
@@ -286,6 +290,29 @@ def _topologies(family: Family) -> list[str]:
                 "give a slice as --tpu names one, without '@production' ('v5p:8x8x8')"
             )
     return wrong
+
+
+def _precision(family: Family) -> list[str]:
+    """Each :class:`Precision` change with no module pattern that compiles, no ops or no reason."""
+    found = declared(family, Precision)
+    return [
+        f"family {family.name!r} accepts {change!r} in Precision; give PrecisionChange("
+        "module=<a regular expression>, ops=(<operation>, ...), reason=<why>)"
+        for change in (() if found is None else found.accepted)
+        if not _well_formed(change)
+    ]
+
+
+def _well_formed(change: object) -> bool:
+    if not isinstance(change, PrecisionChange) or not change.reason:
+        return False
+    if not change.ops or isinstance(change.ops, str):
+        return False
+    try:
+        re.compile(change.module)
+    except (re.error, TypeError):
+        return False
+    return True
 
 
 def _ignored_override(family: Family, feature: Feature) -> list[str]:

@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from conformance.contract import Family, QuantScope
+from conformance.contract import (
+    Family,
+    Precision,
+    PrecisionChange,
+    QuantScope,
+    with_features,
+)
 from conformance_models import common, nnx_layers
 from conformance_models.llama import linen_model as llama_linen
 from conformance_models.llama import nnx_model as llama_nnx
@@ -32,6 +38,7 @@ from conformance_models.moe import routing
 from conformance_models.moe.family import MoeFamily
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
+    ("precision", None),
     ("forward", None),
     ("train_step", None),
     ("decode", None),
@@ -91,21 +98,48 @@ def _reciprocal_sqrt_by_division(self: llama_nnx.RMSNorm, x: jax.Array) -> jax.A
     return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def jax_attention(
-    self: llama_nnx.Attention,
-    x: jax.Array,
-    positions: jax.Array,
-    segment_ids: jax.Array,
-    mode: str,
-) -> jax.Array:
-    """Llama's NNX attention through ``jax.nn.dot_product_attention``."""
-    q = common.apply_rope(self.q(x), positions, self.rope_base)
-    k = common.apply_rope(self.k(x), positions, self.rope_base)
-    k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
-    out = jax.nn.dot_product_attention(
-        q.astype(self.dtype), k.astype(self.dtype), v.astype(self.dtype), mask=mask
-    )
-    return self.o(out.astype(self.dtype))
+def attention_with(kernel: Any) -> Any:
+    """Llama's NNX attention ``__call__``, ``kernel(q, k, v, mask, dtype)`` its attention.
+
+    The replacement is named after ``kernel``.
+    """
+
+    def call(
+        self: llama_nnx.Attention,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        mode: str,
+    ) -> jax.Array:
+        q = common.apply_rope(self.q(x), positions, self.rope_base)
+        k = common.apply_rope(self.k(x), positions, self.rope_base)
+        k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
+        return self.o(kernel(q, k, v, mask, self.dtype))
+
+    call.__name__ = kernel.__name__
+    return call
+
+
+def _jax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: Any) -> Any:
+    """``jax.nn.dot_product_attention`` in ``dtype``."""
+    out = jax.nn.dot_product_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask=mask)
+    return out.astype(dtype)
+
+
+jax_attention = attention_with(_jax_attention)
+"""Llama's NNX attention through ``jax.nn.dot_product_attention``."""
+
+
+class JaxAttentionLlama(LlamaFamily):
+    """Llama, accepting the float32 score accumulation of ``jax.nn.dot_product_attention``."""
+
+    def features(self):
+        accepted = PrecisionChange(
+            r"layers(_\d+|/\d+)?/attn",
+            ("dot_general",),
+            "jax.nn.dot_product_attention accumulates the attention scores in float32",
+        )
+        return with_features(super().features(), Precision((accepted,)))
 
 
 def _fused_qkv(
@@ -165,10 +199,12 @@ def _experts_one_by_one(self: moe_nnx.MoeMlp, x: jax.Array) -> jax.Array:
     self.sow(
         nnx.Intermediate, routing.AUX_LOSS, cfg.lb_weight * cfg.num_experts * mean_prob @ mean_prob
     )
+    x = x.astype(cfg.dtype)
     out = jnp.zeros_like(x)
     for e in range(cfg.num_experts):
-        hidden = jax.nn.silu(x @ self.wi_gate[e]) * (x @ self.wi_up[e])
-        out = out + (hidden @ self.wo[e]) * probs[..., e : e + 1].astype(x.dtype)
+        gate, up, down = (w[e].astype(cfg.dtype) for w in (self.wi_gate, self.wi_up, self.wo))
+        hidden = jax.nn.silu(x @ gate) * (x @ up)
+        out = out + (hidden @ down) * probs[..., e : e + 1].astype(cfg.dtype)
     return out
 
 
@@ -205,8 +241,10 @@ VARIANTS: tuple[Variant, ...] = (
     ),
     Variant(
         "jax-attention",
-        "attention is jax.nn.dot_product_attention (scale on the scores, XLA softmax)",
+        "attention is jax.nn.dot_product_attention (scale on the scores, XLA softmax); "
+        "it accumulates the scores in float32, a precision change the family accepts",
         ((llama_nnx.Attention, "__call__", jax_attention),),
+        JaxAttentionLlama(),
     ),
     Variant(
         "fused-qkv",
@@ -227,7 +265,12 @@ VARIANTS: tuple[Variant, ...] = (
         "load-balancing loss's mean and square as a mean over axes and a dot product",
         ((moe_nnx.MoeMlp, "__call__", _experts_one_by_one),),
         MoeFamily(),
-        checks=(("forward", None), ("train_step", None), ("aux_losses", None)),
+        checks=(
+            ("precision", None),
+            ("forward", None),
+            ("train_step", None),
+            ("aux_losses", None),
+        ),
     ),
     Variant(
         "padded-vocab-masked",
@@ -236,7 +279,7 @@ VARIANTS: tuple[Variant, ...] = (
             (llama_linen.Llama, "__call__", _masking_padded_vocab(llama_linen.Llama.__call__)),
             (llama_nnx.Llama, "__call__", _masking_padded_vocab(llama_nnx.Llama.__call__)),
         ),
-        checks=(("finite", None), ("forward", None)),
+        checks=(("finite", None), ("precision", None), ("forward", None)),
     ),
 )
 """Every benign variant."""

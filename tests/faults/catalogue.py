@@ -1,9 +1,9 @@
 """Planted faults: deliberate divergences, each injected into one side, by area.
 
-Each area module (:mod:`tests.faults.structure`, ``forward``, ``training``, ``state``,
-``decode``, ``quantization``, ``checkpoints``, ``recorded``, ``cost``, ``tpu``) pairs its faults
-with the check that must catch them and the words (leaf path first) the failure report
-must contain.
+Each area module (:mod:`tests.faults.structure`, ``forward``, ``precision``,
+``training``, ``state``, ``decode``, ``quantization``, ``checkpoints``, ``recorded``,
+``cost``, ``tpu``) pairs its faults with the check that must catch them and the words
+(leaf path first) the failure report must contain.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tests.faults import (
     cost,
     decode,
     forward,
+    precision,
     quantization,
     recorded,
     state,
@@ -25,6 +26,7 @@ from tests.faults.fault import Fault
 FAULTS: tuple[Fault, ...] = (
     *structure.FAULTS,
     *forward.FAULTS,
+    *precision.FAULTS,
     *training.FAULTS,
     *state.FAULTS,
     *decode.FAULTS,

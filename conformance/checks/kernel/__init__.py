@@ -11,7 +11,8 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.logits`: forwards, quantized forwards, attribution;
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
-* :mod:`~conformance.checks.kernel.steps`: train steps.
+* :mod:`~conformance.checks.kernel.steps`: train steps;
+* :mod:`~conformance.checks.kernel.precision`: the dtypes each module computes in.
 """
 
 from conformance.checks.kernel.layouts import (
@@ -34,6 +35,7 @@ from conformance.checks.kernel.logits import (
     quantized_forwards,
     within_spread,
 )
+from conformance.checks.kernel.precision import precision_differences
 from conformance.checks.kernel.steps import (
     DROPOUT_RATE,
     STEPS,
@@ -63,6 +65,7 @@ __all__ = [
     "misplaced",
     "nudged_reruns",
     "paired",
+    "precision_differences",
     "quantized_forwards",
     "rerun_note",
     "round_trip",
