@@ -36,7 +36,6 @@ from conformance.core.numerics import (
 from conformance.core.records import emit, emit_verdict, listening, measure
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.localise import Divergence, localise
-from conformance.runtime.precision import unmatched
 from conformance.runtime.sides import LinenSide, live_pair, live_sides
 
 
@@ -95,7 +94,9 @@ def _measure_forward(
 def check_forward(case: Case) -> None:
     """Logits agree after transplanting Linen -> NNX and NNX -> Linen on the case's mesh.
 
-    Tolerance follows the policy for the case's compute dtype. Below float32, an element
+    Tolerance follows the policy for the case's compute dtype. A failure names the first
+    divergent module, which side moves when partitioned, and any module that computes in
+    other dtypes on each side (the ``precision`` check's profile). Below float32, an element
     outside tolerance passes when NNX is no farther than Linen from Linen's float32
     result from the same parameters (the policy's tie-break), and logits pass when the
     sides agree on one device and each moves on the mesh by as much as they differ
@@ -146,9 +147,12 @@ def check_forward(case: Case) -> None:
         if moved is None:  # float32: attributed only now, for the direction that fails
             params = (linen_params, nnx_params)
             moved = forward_attribution(linen, nnx_, (a.logits, b.logits), params)
+        accepted = accepted_precision(case.family)
+        changes = precision_differences(linen, nnx_, batch, rules, accepted)[0]
         fail(
             report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
             + f"\n  {where}\n  {attribution_text(moved)}"
+            + "".join(f"\n  precision differs: {change.describe()}" for change in changes)
         )
 
 
@@ -176,7 +180,7 @@ def check_precision(case: Case) -> None:
     for dtype in (jnp.float32, jnp.bfloat16):
         linen, nnx_ = live_pair(case.in_dtype(dtype))
         paired(linen, nnx_)
-        left, missed = unmatched(precision_differences(linen, nnx_, case.batch(), rules), accepted)
+        left, missed = precision_differences(linen, nnx_, case.batch(), rules, accepted)
         unused = [change for change in unused if change in missed]
         found += [f"{jnp.dtype(dtype).name} compute: {d.describe()}" for d in left]
     if found:

@@ -94,7 +94,12 @@ FAULTS = (
     Fault(
         SilentBfloat16(),
         "forward",
-        ("logits:", "first divergent module: layers_1/mlp/down (NNX layers/1/mlp/down)"),
+        (
+            "logits:",
+            "first divergent module: layers_1/mlp/down (NNX layers/1/mlp/down)",
+            "precision differs: layers_1/mlp/down (NNX layers/1/mlp/down): NNX rounds "
+            "float32 -> bfloat16",
+        ),
     ),
     Fault(
         ToyNormEpsilon(),

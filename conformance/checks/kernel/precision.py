@@ -7,16 +7,18 @@ before, and apart from, any number it moves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from conformance.contract import PathRules
+from conformance.contract import PathRules, PrecisionChange
 from conformance.runtime.diagnose.localise import module_pairs
 from conformance.runtime.precision import (
     PrecisionDifference,
     compare_profiles,
     profile,
+    unmatched,
 )
 from conformance.runtime.sides import Side
 
@@ -29,11 +31,17 @@ def _abstract(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def precision_differences(
-    linen: Side, nnx_: Side, batch: Any, rules: PathRules
-) -> list[PrecisionDifference]:
-    """Every paired module whose forward computes, takes or returns other dtypes per side.
+    linen: Side,
+    nnx_: Side,
+    batch: Any,
+    rules: PathRules,
+    accepted: Sequence[PrecisionChange] = (),
+) -> tuple[list[PrecisionDifference], list[PrecisionChange]]:
+    """Paired modules whose forward computes, takes or returns other dtypes per side.
 
-    ``rules`` are the family's path rules, which pair modules holding no parameters.
+    Returns the differences no ``accepted`` change covers, and the accepted changes that
+    cover none. ``rules`` are the family's path rules, which pair modules holding no
+    parameters.
     """
     first = profile(linen.runner, _abstract(linen), batch)
     second = profile(nnx_.runner, _abstract(nnx_), batch)
@@ -43,4 +51,4 @@ def precision_differences(
         sorted({path for path, _ in first.boundary}),
         sorted({path for path, _ in second.boundary}),
     )
-    return compare_profiles(first, second, pairs)
+    return unmatched(compare_profiles(first, second, pairs), accepted)
