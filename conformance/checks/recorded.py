@@ -31,13 +31,12 @@ import jax
 import numpy as np
 
 from conformance.checks.declare import Axis, F, Param, declare
-from conformance.checks.kernel import quantized_forwards, step_disagreement
+from conformance.checks.kernel import beyond_own_spread, quantized_forwards, step_disagreement
 from conformance.contract import persistent_types, preferred_layout
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
-from conformance.core.rounding import relative_l2
 from conformance.core.trees import Flat, mirrored_param, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
@@ -233,26 +232,21 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
         title = _title(live, reference, f"{name} forward")
         precise = None if name == "float32" else wide
         found = compare_arrays("logits", expected, logits, tol, precise)
+        partitioned = None
         if found is not None:
-            spread = _partitioned(side, case)
-            again = spread.forward(_params(spread, reference), spread.case.place(reference.batch()))
-            spread_logits = host_array(again[0]).astype(np.float32)
-            found = compare_arrays("logits", expected, logits, tol, precise, spread_logits)
-        rounding = ""
-        if found is not None and precise is not None:
-            gap, reach = relative_l2(logits, expected), relative_l2(spread_logits, logits)
-            if np.isfinite(logits).all() and gap <= reach:
-                found = None
-            rounding = (
-                f"\n  judged by rounding: {gap:.3e} from the recording (relative L2), more "
-                f"than the {reach:.3e} {live.name} moves by itself partitioned on mesh "
-                f"{case.mesh.id}"
-            )
+            other = _partitioned(side, case)
+            again = other.forward(_params(other, reference), other.case.place(reference.batch()))
+            partitioned = host_array(again[0]).astype(np.float32)
+            found = compare_arrays("logits", expected, logits, tol, precise, partitioned)
+        beyond = ""
+        if found is not None and partitioned is not None and precise is not None:
+            beyond = beyond_own_spread(live.name, expected, logits, partitioned, case.mesh.id)
+            found = found if beyond else None
         emit_verdict(title, "logits", expected, logits, found, names=names, tolerance=tol)
         if found is not None:
             text = report(f"{title} (index: batch, position, vocab)", [found], names)
             spread = _beyond_spread(live, case, "the same forward")
-            _failed(live, reference, f"{text}\n  {spread}{rounding}")
+            _failed(live, reference, f"{text}\n  {spread}{beyond}")
 
 
 def _recorded_steps(

@@ -365,8 +365,10 @@ class PrecisionChange:
     r"""A regular expression matched in full against the module's Linen or NNX path
     (``r"layers(_\d+|/\d+)?/attn"`` for every layer's attention, in either layout)."""
     ops: tuple[str, ...]
-    """The operations it covers (``exp``, ``dot_general``, ``reduce_sum``), or
-    ``"<method> takes"`` and ``"<method> returns"`` for the dtypes a call takes or returns."""
+    """What it covers: primitives (``exp``, ``dot_general``, ``convert_element_type``),
+    groups (``"sum of products"``, ``"rounding"``), or ``"<method> takes"`` and
+    ``"<method> returns"`` for the dtypes a call takes or returns. It must match the
+    module the ``precision`` check reports the difference at (the deepest one)."""
     reason: str
     """Why it is accepted, in words: a run that meets it says so."""
 
@@ -376,10 +378,11 @@ class Precision(Feature):
     """Precision differences the ``precision`` check accepts, each with its reason.
 
     New in the second edition. The ``precision`` check compares which dtypes each module
-    computes in on each side; a difference one of :attr:`accepted` covers passes (Flax
-    0.12's NNX attention computes its softmax in float32 where Linen's computes it in the
-    compute dtype: a change a zoo may accept). One that covers no difference in a run
-    fails it, so a stale or misspelt entry is found.
+    computes in on each side; a difference one of :attr:`accepted` covers passes (an NNX
+    rewrite through ``jax.nn.dot_product_attention`` accumulates the attention scores in
+    float32 where the Linen model accumulates them in the compute dtype: a change a zoo
+    may accept). One that covers no difference in a run fails it, so a stale or
+    misspelt entry is found.
     """
 
     capability: ClassVar[str] = "precision"

@@ -41,6 +41,7 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
     ("precision", None),
     ("forward", None),
     ("train_step", None),
+    ("bf16_train_step", None),
     ("decode", None),
     ("quant_forward", "ptq_int8"),
     ("quant_forward", "qat_int8"),

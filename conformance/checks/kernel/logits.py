@@ -17,7 +17,7 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail
 from conformance.core.numerics import Mismatch, Tolerance, compare_arrays, report
 from conformance.core.records import emit_verdict
-from conformance.core.rounding import NUDGE_SEEDS, one_ulp_nudge, rounding_verdict
+from conformance.core.rounding import NUDGE_SEEDS, one_ulp_nudge, relative_l2, rounding_verdict
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import (
@@ -192,3 +192,21 @@ def error_bound(where: str, quantized: Any, reference: Any, bound: float) -> Non
             f"{where}: relative L2 error of quantized vs float logits is {error:.4g}, "
             f"above the bound {bound}"
         )
+
+
+def beyond_own_spread(name: str, expected: Any, actual: Any, partitioned: Any, mesh: str) -> str:
+    """Why ``actual`` is not within its own spread of ``expected``, as a line; ``""`` if it is.
+
+    Within: finite, and no farther from ``expected`` in relative L2 than from
+    ``partitioned``, the same computation partitioned on ``mesh``: rounding in another
+    order (another machine's compiler, say) moves it that far. ``name`` names its side.
+    """
+    if not np.isfinite(host_array(actual)).all():
+        return f"\n  not judged by rounding: {name}'s logits are not all finite"
+    gap, reach = relative_l2(actual, expected), relative_l2(partitioned, actual)
+    if gap <= reach:
+        return ""
+    return (
+        f"\n  judged by rounding: {gap:.3e} from the recording (relative L2), more than the "
+        f"{reach:.3e} {name} moves by itself partitioned on mesh {mesh}"
+    )

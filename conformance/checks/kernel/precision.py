@@ -8,11 +8,8 @@ before, and apart from, any number it moves.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
-import jax
-
-from conformance.contract import PathRules, PrecisionChange
+from conformance.contract import Batch, PathRules, PrecisionChange
 from conformance.runtime.diagnose.localise import module_pairs
 from conformance.runtime.precision import (
     PrecisionDifference,
@@ -23,17 +20,10 @@ from conformance.runtime.precision import (
 from conformance.runtime.sides import Side
 
 
-def _abstract(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
-    return {
-        path: jax.ShapeDtypeStruct(spec.shape, spec.dtype)
-        for path, spec in side.runner.specs.items()
-    }
-
-
 def precision_differences(
     linen: Side,
     nnx_: Side,
-    batch: Any,
+    batch: Batch,
     rules: PathRules,
     accepted: Sequence[PrecisionChange] = (),
 ) -> tuple[list[PrecisionDifference], list[PrecisionChange]]:
@@ -43,8 +33,7 @@ def precision_differences(
     cover none. ``rules`` are the family's path rules, which pair modules holding no
     parameters.
     """
-    first = profile(linen.runner, _abstract(linen), batch)
-    second = profile(nnx_.runner, _abstract(nnx_), batch)
+    first, second = profile(linen.runner, batch), profile(nnx_.runner, batch)
     pairs = module_pairs(
         linen.leaf_map().pairs(),
         rules,

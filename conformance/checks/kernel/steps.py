@@ -3,7 +3,8 @@
 :func:`train_step_parity` runs :data:`STEPS` steps of both sides and compares each
 step's loss, gradients and next state; a failure on a mesh says which side moves on
 one device, and a quantized step that fails the float policy is judged by the float
-steps from the same parameters (:func:`rounding_step`).
+steps from the same parameters (:func:`rounding_step`), a bfloat16 one by them and each
+side's own spread (:func:`spread_step`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,24 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
+import numpy as np
+
 from conformance.checks.kernel.layouts import paired
 from conformance.checks.kernel.logits import attributed
+from conformance.core.distributed import host_array
 from conformance.core.environment import nondeterminism
 from conformance.core.failure import fail
-from conformance.core.numerics import compare_trees, report
+from conformance.core.numerics import Tolerance, compare_trees, report, tolerance_for
 from conformance.core.records import emit, listening, measure
-from conformance.core.rounding import NUDGE_SEEDS, RoundingVerdict, one_ulp_nudge, rounding_verdict
+from conformance.core.rounding import (
+    NUDGE_SEEDS,
+    SENSITIVITY_FACTOR,
+    RoundingVerdict,
+    one_ulp_nudge,
+    relative_l2,
+    rounding_verdict,
+)
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import noise_masked
@@ -118,6 +130,7 @@ def step_disagreement(
     figure: str = "",
     series: str = "",
     spread: Callable[[], StepResult] | None = None,
+    tolerance: Tolerance | None = None,
 ) -> str | None:
     """The report of two steps' ``(state, loss, grads)`` disagreeing, or ``None``.
 
@@ -132,10 +145,10 @@ def step_disagreement(
     (:func:`~conformance.core.numerics.compare_arrays`) pass.
     """
     pair = (step_tree(first), step_tree(second))
-    mismatches = compare_trees(*pair)
+    mismatches = compare_trees(*pair, tolerance)
     if mismatches and spread is not None:
         pair = (pair[0], noise_masked(*pair)[0])
-        mismatches = compare_trees(*pair, spread=step_tree(spread()))
+        mismatches = compare_trees(*pair, tolerance, spread=step_tree(spread()))
     if listening():
         for group, (a, b) in _by_group(*pair).items():
             found = [m for m in mismatches if leaf_group(m.path) == group]
@@ -172,9 +185,13 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     Compares per step the loss, every gradient, and the whole next state (parameters,
     Adam moments, optax counts and the step counter, which must equal the step number).
     ``title`` names the mode in reports and plots. A failure also says whether each
-    side agrees with its own steps on one device. With ``float_case`` (the same case
-    unquantized) the comparison is quantization-aware: a step that fails the float policy
-    is judged by the float steps from the same parameters (:func:`rounding_step`).
+    side agrees with its own steps on one device. A case in a lower compute dtype
+    (bfloat16) is held to that dtype's tolerance, though its leaves are float32. With
+    ``float_case`` (the same case unquantized, or in float32 compute) a step that fails
+    the policy is judged by the
+    float steps from the same parameters: quantization-aware for a quantized case
+    (:func:`rounding_step`), by each side's own spread for a lower compute dtype
+    (:func:`spread_step`).
     """
     start, steps = train_steps(case)
 
@@ -182,8 +199,15 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     def reference() -> list[tuple[StepResult, ...]]:
         return train_steps(case.on_one_device(), start)[1]
 
-    judge = None if float_case is None else rounding_step(case, float_case, start)
-    mode = "" if case.quant is None else f" ({case.quant})"
+    judge = None
+    if float_case is not None and case.quant is not None:
+        judge = rounding_step(case, float_case, start)
+    elif float_case is not None:
+        judge = spread_step(float_case, start, reference, tolerance_for(case.dtype))
+    lower = case.quant is None and case.dtype != jnp.float32
+    tolerance = tolerance_for(case.dtype) if lower else None
+    mode = "" if case.dtype == jnp.float32 else f" ({jnp.dtype(case.dtype).name} compute)"
+    mode = mode if case.quant is None else f" ({case.quant})"
     failures: list[str] = []
 
     def attribution(step: int) -> Callable[[], tuple[StepResult, ...]] | None:
@@ -192,7 +216,7 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     for step, (first, second) in enumerate(steps, start=1):
         what = f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}"
         verdict = None
-        if judge is not None and compare_trees(step_tree(first), step_tree(second)):
+        if judge is not None and compare_trees(step_tree(first), step_tree(second), tolerance):
             verdict = judge(step - 1, (first, second))
         message = None
         if verdict is None or not verdict.accepted:
@@ -203,6 +227,7 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
                 first,
                 second,
                 case=case,
+                tolerance=tolerance,
                 reference=attribution(step),
                 figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
                 series=f"step {step}",
@@ -214,6 +239,71 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
             failures.append(message if verdict is None else f"{message}\n  {verdict.text}")
     if failures:
         fail(failures[0])
+
+
+def spread_step(
+    float_case: Case,
+    start: Flat,
+    one_device: Callable[[], list[tuple[StepResult, ...]]],
+    tolerance: Tolerance,
+) -> Callable[[int, tuple[StepResult, StepResult]], RoundingVerdict]:
+    """A judge of train steps in a lower compute dtype (bfloat16) that fail its policy.
+
+    ``judge(i, steps)`` accepts step ``i`` when the steps of ``float_case`` (float32
+    compute) from ``start`` agree within the float32 policy, and each leaf outside
+    ``tolerance`` is finite on both sides and no farther apart in relative L2 than
+    :data:`~conformance.core.rounding.SENSITIVITY_FACTOR` times the least either side's
+    step on the mesh is from its own step on one device (``one_device()``): two programs
+    that round in another order move that far by themselves (one sample of it, hence
+    the factor). A side that computes something else moves both sides' float32 steps
+    apart, or its low-precision steps beyond that spread.
+    """
+
+    @functools.cache
+    def floats() -> list[tuple[StepResult, ...]]:
+        return train_steps(float_case, start)[1]
+
+    def judge(index: int, steps: tuple[StepResult, StepResult]) -> RoundingVerdict:
+        twin = [step_tree(result) for result in floats()[index]]
+        if mismatches := compare_trees(*twin):
+            worst = max(mismatches, key=lambda m: m.max_abs)
+            return RoundingVerdict(
+                False,
+                f"the float32 steps disagree too ({len(mismatches)} leaf(s) beyond the "
+                f"float32 policy, worst {worst.path} by {worst.max_abs:.3e}): a divergence "
+                "the lower precision carries, not rounding",
+            )
+        pair = [step_tree(result) for result in steps]
+        alone = [step_tree(result) for result in one_device()[index]]
+        rows = [(0.0, 0.0, "")]
+        for path in sorted(m.path for m in compare_trees(*pair, tolerance)):
+            if any(path not in tree for tree in (*pair, *alone)):
+                rows.append((float("inf"), 0.0, path))
+                continue
+            gap = relative_l2(pair[1][path], pair[0][path])
+            moves = [relative_l2(p[path], a[path]) for p, a in zip(pair, alone, strict=True)]
+            reach = SENSITIVITY_FACTOR * min(moves)
+            finite = all(np.isfinite(host_array(p[path])).all() for p in pair)
+            rows.append((gap if finite else float("inf"), reach, path))
+        beyond = [f"{p}: {g:.3e} apart, bound {r:.3e}" for g, r, p in rows if g > r]
+        gap, reach, path = max(rows)
+        figures = (
+            "the float32 steps agree; of the leaves beyond tolerance, the worst in relative "
+            f"L2, {path}, is {gap:.3e} "
+            f"apart, its bound {reach:.3e}: {SENSITIVITY_FACTOR:g}x the least either side's "
+            "step on the mesh moves from its own step on one device"
+        )
+        if beyond:
+            more = f"; and {len(beyond) - 5} more" if len(beyond) > 5 else ""
+            return RoundingVerdict(
+                False,
+                f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: "
+                + "; ".join(beyond[:5])
+                + more,
+            )
+        return RoundingVerdict(True, f"{figures}: rounding, accepted")
+
+    return judge
 
 
 def rounding_step(

@@ -25,6 +25,8 @@ from conformance.families import (
     Feature,
     LogicalRules,
     PathRules,
+    Precision,
+    PrecisionChange,
     Qwix,
 )
 
@@ -172,6 +174,16 @@ class ToyMoe(Family):
     def config(self, size: str, *, scan_layers: bool, dtype: Any = jnp.float32) -> MoeConfig:
         del size, scan_layers
         return MoeConfig(vocab=64, width=32, hidden=64, experts=4, depth=2, length=16, dtype=dtype)
+
+    def features(self) -> Sequence[Feature]:
+        """Flax's two LayerNorms round differently; the zoo accepts it."""
+        norm = PrecisionChange(
+            r"block_\d+/norm",
+            ("sum of products",),
+            "flax 0.12's nnx.LayerNorm rounds its input to the compute dtype before its "
+            "statistics (promote_dtype); nn.LayerNorm computes them on the input as given",
+        )
+        return (Precision((norm,)),)
 
     def linen_module(self, config: MoeConfig) -> nn.Module:
         return LinenMoe(config)

@@ -75,4 +75,4 @@ class ToyMoe(first.ToyMoe):
     capabilities = Capabilities()
 
     def features(self) -> Sequence[Feature]:
-        return (AuxLosses((AUX_LOSS,)),)
+        return (AuxLosses((AUX_LOSS,)), *super().features())
