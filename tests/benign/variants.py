@@ -47,7 +47,8 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
     ("quant_forward", "qat_int8"),
     ("qat_train_step", "qat_int8"),
 )
-"""``(check, quantization mode)`` a llama variant must pass: float, decode and Qwix."""
+"""``(check, quantization mode)`` a llama variant must pass: precision, float (bfloat16
+training too), decode and Qwix."""
 
 
 _FUSED_PTQ = (
