@@ -150,6 +150,25 @@ def _bitwise(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
     )
 
 
+def twins_disagree(
+    what: str, twins: tuple[Mapping[str, Any], Mapping[str, Any]], carried: str
+) -> RoundingVerdict | None:
+    """A verdict rejecting a low-precision disagreement whose float ``twins`` disagree too.
+
+    ``None`` when the twins agree within the float policy; else ``"the <what> disagree
+    too (<count and worst leaf>): <carried>"``.
+    """
+    mismatches = compare_trees(*twins)
+    if not mismatches:
+        return None
+    worst = max(mismatches, key=lambda m: m.max_abs)
+    return RoundingVerdict(
+        False,
+        f"the {what} disagree too ({len(mismatches)} leaf(s) beyond the float policy, worst "
+        f"{worst.path} by {worst.max_abs:.3e}): {carried}",
+    )
+
+
 def rounding_verdict(
     what: str,
     quantized: tuple[Mapping[str, Any], Mapping[str, Any]],
@@ -169,15 +188,9 @@ def rounding_verdict(
     from the quantized run).
     """
     a, b = names
-    float_mismatches = compare_trees(*floats)
-    if float_mismatches:
-        worst = max(float_mismatches, key=lambda m: m.max_abs)
-        return RoundingVerdict(
-            False,
-            f"the float {what} disagree too ({len(float_mismatches)} leaf(s) beyond the float "
-            f"policy, worst {worst.path} by {worst.max_abs:.3e}): a float divergence that "
-            "quantization carries, not a quantization one",
-        )
+    carried = "a float divergence that quantization carries, not a quantization one"
+    if (disagree := twins_disagree(f"float {what}", floats, carried)) is not None:
+        return disagree
     if _bitwise(*floats):
         return RoundingVerdict(
             False,

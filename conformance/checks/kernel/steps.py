@@ -29,6 +29,7 @@ from conformance.core.rounding import (
     one_ulp_nudge,
     relative_l2,
     rounding_verdict,
+    twins_disagree,
 )
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
@@ -264,15 +265,10 @@ def spread_step(
         return train_steps(float_case, start)[1]
 
     def judge(index: int, steps: tuple[StepResult, StepResult]) -> RoundingVerdict:
-        twin = [step_tree(result) for result in floats()[index]]
-        if mismatches := compare_trees(*twin):
-            worst = max(mismatches, key=lambda m: m.max_abs)
-            return RoundingVerdict(
-                False,
-                f"the float32 steps disagree too ({len(mismatches)} leaf(s) beyond the "
-                f"float32 policy, worst {worst.path} by {worst.max_abs:.3e}): a divergence "
-                "the lower precision carries, not rounding",
-            )
+        twin = step_tree(floats()[index][0]), step_tree(floats()[index][1])
+        carried = "a divergence the lower precision carries, not rounding"
+        if (disagree := twins_disagree("float32 steps", twin, carried)) is not None:
+            return disagree
         pair = [step_tree(result) for result in steps]
         alone = [step_tree(result) for result in one_device()[index]]
         rows = [(0.0, 0.0, "")]
