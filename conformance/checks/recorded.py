@@ -37,6 +37,7 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
+from conformance.core.rounding import RECORDED_ERROR_SPREAD
 from conformance.core.trees import Flat, mirrored_param, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
@@ -442,6 +443,7 @@ def check_recorded_quant_forward(case: Case, backend: str, recorded: str, refere
         float_logits,
         (None, rerun),
         (None, params),
+        error_spread=RECORDED_ERROR_SPREAD,
     )
     if message is not None:
         _failed(live, reference, message)

@@ -43,6 +43,12 @@ ERROR_SPREAD = 0.02
 regime, relative to the larger of the two (measured: 0.4 % on correct pairs, 12.7 % and
 more with one of two blocks left unquantized)."""
 
+RECORDED_ERROR_SPREAD = 0.08
+""":data:`ERROR_SPREAD` against a recording, which may come from another machine: its
+float and quantized runs round as that machine's compiler does. Measured: 4.4 % on
+maxtext-deepseek3's correct qat_int8 forward (recorded on an AMD machine, live on an Intel
+one); 12.7 % and more with one of two blocks left unquantized."""
+
 NUDGE_SEEDS = (0, 1)
 """Nudges per side; a side's sensitivity is its largest movement over them."""
 
@@ -176,6 +182,7 @@ def rounding_verdict(
     moved: Callable[[], tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
     names: tuple[str, str],
     error_leaves: Sequence[str],
+    error_spread: float = ERROR_SPREAD,
 ) -> RoundingVerdict:
     """Whether two quantized results that fail the float policy differ by rounding only.
 
@@ -185,7 +192,7 @@ def rounding_verdict(
     called only in the rounding regime). ``error_leaves`` are the path prefixes whose
     error against float measures how much each side quantized (logits; gradients); empty,
     the errors are not compared (a later train step, whose float twin has drifted away
-    from the quantized run).
+    from the quantized run). They may differ by ``error_spread`` of the larger.
     """
     a, b = names
     carried = "a float divergence that quantization carries, not a quantization one"
@@ -225,9 +232,9 @@ def rounding_verdict(
     if error_leaves:
         figures += (
             f"; the errors against float are {a} {errors[0]:.4g} and {b} {errors[1]:.4g} "
-            f"(spread {spread:.1%}, at most {ERROR_SPREAD:.0%})"
+            f"(spread {spread:.1%}, at most {error_spread:.0%})"
         )
-    if spread > ERROR_SPREAD:
+    if spread > error_spread:
         return RoundingVerdict(
             False,
             f"{figures}: the sides are not equally far from float, so one quantizes more "

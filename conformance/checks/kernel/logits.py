@@ -17,7 +17,13 @@ from conformance.core.distributed import host_array
 from conformance.core.failure import fail
 from conformance.core.numerics import Mismatch, Tolerance, compare_arrays, report
 from conformance.core.records import emit_verdict
-from conformance.core.rounding import NUDGE_SEEDS, one_ulp_nudge, relative_l2, rounding_verdict
+from conformance.core.rounding import (
+    ERROR_SPREAD,
+    NUDGE_SEEDS,
+    one_ulp_nudge,
+    relative_l2,
+    rounding_verdict,
+)
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.attribution import (
@@ -140,6 +146,7 @@ def quantized_forwards(
     reruns: tuple[Rerun | None, Rerun | None],
     float_params: tuple[Flat | None, Flat | None],
     attribution: Callable[[], Attribution | str] | None = None,
+    error_spread: float = ERROR_SPREAD,
 ) -> str | None:
     """The report of two quantized forwards disagreeing under the quantization-aware policy.
 
@@ -149,7 +156,8 @@ def quantized_forwards(
     from nudged ``float_params``; a side that cannot be rerun, a recording, gives
     ``None`` for both), or (given ``attribution``, the forwards on a mesh) differ by no
     more than partitioning moves each (:func:`within_spread`). A report says what the
-    float forwards show and which side moved.
+    float forwards show and which side moved. ``error_spread``: how far the two sides'
+    errors against float may differ (looser against a recording from another machine).
     """
     found = compare_arrays("logits", *logits)
     verdict = None
@@ -166,6 +174,7 @@ def quantized_forwards(
             moved,
             names,
             ("logits",),
+            error_spread,
         )
     accepted = verdict is not None and verdict.accepted
     moved = None if found is None or accepted or attribution is None else attribution()
