@@ -174,9 +174,11 @@ class Family(abc.ABC):
         ``Layouts`` the layer layouts and their stack rules in canonical paths,
         ``Recorded`` the recorded backends and the upgrade of old references,
         ``Bridges`` the bridged module counts, ``Release`` the release goldens are kept by,
-        ``PersistentState`` the Variable types kept as persistent state (default: none)
-        and ``Topologies`` the TPU slice each production size compiles for under ``--tpu
-        default`` (default: ``v5p:4x4x4``). Declaring an ability in both spellings is a
+        ``PersistentState`` the Variable types kept as persistent state (default: none),
+        ``Topologies`` the TPU slice each production size compiles for under ``--tpu
+        default`` (default: ``v5p:4x4x4``) and ``Precision`` the precision differences
+        between the backends the ``precision`` check accepts (default: none; every
+        difference fails it). Declaring an ability in both spellings is a
         load error. None by default.
         """
         return ()
