@@ -27,7 +27,7 @@ from conformance.runtime.aot import (
     lowered_train_step,
     placements,
 )
-from conformance.runtime.case import Case
+from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.sides import live_pair
 
 
@@ -138,6 +138,15 @@ def test_without_libtpu_a_target_is_a_usage_error_naming_the_setup(monkeypatch):
     tpu.slice_devices.cache_clear()
     with pytest.raises(TopologyError, match="make setup-tpu"):
         _tpu_targets(["default"], [])
+
+
+def test_an_abstract_batch_has_a_row_per_chip_on_a_slice_as_per_device_batch_size_1():
+    llama = families.get("llama")
+    cpu = Case.of(llama, "tiny", mesh=parse_mesh("data=2,fsdp=2,tensor=2"))
+    production = Case.of(llama, "8b", mesh=parse_mesh("data=2,fsdp=16,tensor=2"))
+    assert batch_rows(cpu) == BATCH_SIZE == 8
+    assert batch_rows(production) == 64  # 2 rows per batch shard: tensor splits no rows
+    assert production.batch_spec()[0] == ("data", "fsdp")
 
 
 def test_placed_outputs_are_keyed_by_canonical_paths_and_agree_on_a_cpu_mesh():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -38,15 +37,11 @@ from conformance.runtime.sides import Side
 def batch_rows(case: Case) -> int:
     """Rows of an abstract batch on ``case``'s mesh.
 
-    :data:`BATCH_SIZE`, or one row per batch shard when the mesh splits the batch into
-    more shards than that (a large TPU slice).
+    :data:`BATCH_SIZE`, or one row per device when the mesh has more devices than that
+    (a TPU slice), as a production step with ``per_device_batch_size`` 1 has: every
+    batch shard then holds the same whole number of rows.
     """
-    spec = case.batch_spec()
-    axes = spec[0] if spec else None
-    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    sizes = case.mesh.sizes() if case.mesh is not None else {}
-    shards = math.prod(sizes[name] for name in names)
-    return max(BATCH_SIZE, shards)
+    return max(BATCH_SIZE, case.mesh.size if case.mesh is not None else 1)
 
 
 def abstract_batch(case: Case, rows: int) -> Batch:
