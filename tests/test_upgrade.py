@@ -94,3 +94,15 @@ def test_a_cost_golden_that_moved_leads_with_its_ratios():
     old = {"programs": {"forward": {"nnx": {"flops": 100.0, "bytes_accessed": 10.0}}}}
     new = {"programs": {"forward": {"nnx": {"flops": 213.0, "bytes_accessed": 10.0}}}}
     assert upgrade.cost_ratios(old, new) == ["forward nnx: flops 2.130x"]
+
+
+def test_a_tpu_compile_golden_that_moved_leads_with_its_footprint_ratio(tmp_path):
+    family = tmp_path / "zoo-model"
+    golden = "tpu_compile/libtpu-0.0.50.1-xla-full/70b-v5p-4x4x4-data2-fsdp16-tensor2-scan.json"
+    step = {"flops": 10.0, "temp_bytes": 4.0, "footprint_bytes": 8.0}
+    _write(family / "1.0" / golden, {"programs": {"train_step (remat)": {"nnx": step}}})
+    moved = step | {"footprint_bytes": 12.0}
+    _write(family / "1.1" / golden, {"programs": {"train_step (remat)": {"nnx": moved}}})
+    (change,), same = upgrade.golden_changes(tmp_path, "zoo-model", "1.1")
+    assert same == 0
+    assert change["lines"][0] == "train_step (remat) nnx: footprint_bytes 1.500x"

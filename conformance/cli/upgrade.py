@@ -63,15 +63,20 @@ def _golden_files(folder: Path) -> set[Path]:
     return {p.relative_to(folder) for p in folder.rglob("*.json")} if folder.is_dir() else set()
 
 
-_COST_MEASURES = ("flops", "bytes_accessed", "temp_bytes")
-"""The compiled-cost measures summarised as ratios between releases."""
+_COST_MEASURES = ("flops", "bytes_accessed", "temp_bytes", "footprint_bytes")
+"""The compiled-cost measures summarised as ratios between releases (a TPU compile's
+footprint per chip among them)."""
+
+_COSTED = ("cost", "tpu_compile")
+"""The checks whose goldens hold compiled costs per program and side."""
 
 
 def cost_ratios(old: Any, new: Any) -> list[str]:
     """``forward nnx: flops 2.129x, bytes_accessed 1.562x`` per program and side that moved.
 
-    ``old`` and ``new`` are cost goldens (``programs/<program>/<side>/<measure>``); a
-    measure within 0.1 % of the earlier release's is left out.
+    ``old`` and ``new`` are cost or TPU-compile goldens
+    (``programs/<program>/<side>/<measure>``); a measure within 0.1 % of the earlier
+    release's, or missing from either, is left out.
     """
     found = []
     for program, sides in sorted(new.get("programs", {}).items()):
@@ -82,7 +87,7 @@ def cost_ratios(old: Any, new: Any) -> list[str]:
             moved = [
                 f"{m} {now[m] / was[m]:.3f}x"
                 for m in _COST_MEASURES
-                if was.get(m) and abs(now[m] / was[m] - 1) > 1e-3
+                if was.get(m) and now.get(m) is not None and abs(now[m] / was[m] - 1) > 1e-3
             ]
             if moved:
                 found.append(f"{program} {side}: {', '.join(moved)}")
@@ -111,7 +116,7 @@ def golden_changes(root: Path, family: str, release: str) -> tuple[list[dict[str
             if not (lines := changes(before, after)):
                 same += 1
                 continue
-            if name.parts[0] == "cost":  # the ratios first, then the numbers
+            if name.parts[0] in _COSTED:  # the ratios first, then the numbers
                 lines = cost_ratios(before, after) + lines
             found.append(entry | {"change": "changed", "lines": lines})
     return found, same
