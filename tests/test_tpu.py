@@ -4,9 +4,11 @@ None of these needs libtpu: the compiles for TPU slices run in ``make test-tpu``
 placed shardings are read here from programs compiled for the CPU mesh.
 """
 
+import jax
 import pytest
 
 from conformance import families
+from conformance.checks.tpu import DoesNotFit, Refused, compiled_for
 from conformance.core import tpu
 from conformance.core.sharding import parse_mesh
 from conformance.core.tpu import (
@@ -163,3 +165,27 @@ def test_placed_outputs_are_keyed_by_canonical_paths_and_agree_on_a_cpu_mesh():
     assert linen_step == nnx_step
     assert linen_step["metrics/loss"] == []
     assert "metrics/grads/layers/0/mlp/down/kernel" in linen_step
+
+
+class _Refusing:
+    """A lowered program libtpu refuses with ``message``."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def compile(self):
+        raise jax.errors.JaxRuntimeError(self.message)
+
+
+@pytest.mark.parametrize(
+    ("message", "refusal"),
+    [
+        ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory\nHLO", DoesNotFit),
+        ("INTERNAL: Mosaic failed to compile TPU kernel `gmm.1`: Bad lhs type\nat", Refused),
+    ],
+)
+def test_a_program_libtpu_refuses_is_a_report_of_its_first_line(message, refusal):
+    with pytest.raises(refusal) as raised:
+        compiled_for(_Refusing(message))
+    assert type(raised.value) is refusal
+    assert str(raised.value) == message.split("\n")[0]

@@ -2,7 +2,8 @@
 
 Each side's forward, train step (as production trains: rematerialised, for a family
 with remat, at production sizes) and one decode call are lowered with abstract
-arguments on a mesh of the slice's devices (:mod:`conformance.runtime.aot`) and
+arguments on a mesh of the slice's devices (:mod:`conformance.runtime.aot`; at a
+production size, at jax's default matmul precision, as production traces them) and
 compiled by libtpu with XLA's default optimisations. Nothing is allocated or run. The
 programs are held to the ``cost`` check's budget
 (:func:`~conformance.core.cost.over_budget`), and each must fit the chip: arguments,
@@ -16,6 +17,7 @@ that lost remat, a kernel sharded on another mesh axis.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -35,6 +37,7 @@ from conformance.runtime.aot import (
     lowered_forward,
     lowered_train_step,
     placements,
+    traced_as_production,
 )
 from conformance.runtime.case import Case
 from conformance.runtime.sides import Side, live_pair
@@ -42,17 +45,25 @@ from conformance.runtime.sides import Side, live_pair
 GIB = 2**30
 
 
-class DoesNotFit(Exception):
+class Refused(Exception):
+    """libtpu refused to compile a program; the message is its first line."""
+
+
+class DoesNotFit(Refused):
     """libtpu refused to compile a program: it needs more memory than the chip has."""
 
 
-def _compiled(lowered: jax.stages.Lowered) -> Any:
+def compiled_for(lowered: jax.stages.Lowered) -> Any:
+    """``lowered`` compiled as production compiles it; :class:`Refused` when libtpu refuses.
+
+    :class:`DoesNotFit` when for want of memory; any other refusal (a Pallas kernel that
+    Mosaic cannot lower, say) is a :class:`Refused` with libtpu's first line.
+    """
     try:
         return compile_for_production(lowered)
     except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" in str(err):
-            raise DoesNotFit(str(err).splitlines()[0]) from None
-        raise
+        first = str(err).splitlines()[0]
+        raise (DoesNotFit if "RESOURCE_EXHAUSTED" in first else Refused)(first) from None
 
 
 def _footprint(compiled: Any) -> int:
@@ -126,23 +137,29 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     collectives by kind); the outputs the compiler places sharded alike, leaf by leaf;
     and each side's footprint per device (arguments, outputs, temporaries and generated
     code) within the chip's HBM. A program libtpu refuses for want of memory fails
-    naming the side, the program and the compiler's figure. Returned as the golden,
+    naming the side, the program and the compiler's figure; one it refuses otherwise
+    (a Pallas kernel Mosaic cannot lower) fails with libtpu's first line. Returned as the golden,
     kept per topology, libtpu version and XLA level: every program's costs, footprint
     and placed shardings.
     """
     topology = tpu.target.topology
     programs: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
-    for name, sides in _programs(case).items():
+    with traced_as_production() if tpu.target.production else contextlib.nullcontext():
+        lowered = _programs(case)
+    for name, sides in lowered.items():
         costs: list[Cost] = []
         tables: dict[str, dict[str, Any]] = {}
         placed: dict[Side, dict[str, Any]] = {}
         for side, program in sides:
             try:
-                compiled = _compiled(program.lowered)
+                compiled = compiled_for(program.lowered)
             except DoesNotFit as err:
                 chip = topology.generation
                 problems.append(f"{side.name} {name} does not fit a {chip} chip: {err}")
+                continue
+            except Refused as err:
+                problems.append(f"libtpu cannot compile {side.name}'s {name}: {err}")
                 continue
             costs.append(cost := cost_of(compiled))
             footprint = _footprint(compiled)

@@ -149,6 +149,19 @@ def _full_optimisation() -> Iterator[None]:
         jax.config.update("jax_disable_most_optimizations", before)
 
 
+@contextlib.contextmanager
+def traced_as_production() -> Iterator[None]:
+    """Programs lowered inside trace with jax's default matmul precision, as production's.
+
+    The harness runs at ``highest`` precision for the numbers the CPU compares; a TPU
+    program traced so contracts bfloat16 operands in float32 (several passes per
+    matmul), which is not the program production runs, and which libtpu's Mosaic
+    refuses in a Pallas kernel (MaxText's sparse MoE ``gmm``: "Bad lhs type").
+    """
+    with jax.default_matmul_precision("default"):
+        yield
+
+
 def compile_for_production(lowered: jax.stages.Lowered) -> Any:
     """``lowered`` compiled with XLA's default optimisations (a ``jax.stages.Compiled``).
 
