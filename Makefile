@@ -28,8 +28,9 @@ export JAX_COMPILATION_CACHE_DIR := $(abspath $(CACHE))
 export JAX_ENABLE_COMPILATION_CACHE := true
 endif
 
-.PHONY: setup setup-maxtext setup-tpu parity test test-maxtext test-tpu test-wheel upgrade-report \
-	multihost lint docs goldens goldens-maxtext goldens-tpu benchmark clean
+.PHONY: setup setup-maxtext setup-tpu setup-maxtext-tpu parity test test-maxtext test-tpu \
+	test-maxtext-tpu test-wheel upgrade-report multihost lint docs goldens goldens-maxtext \
+	goldens-tpu goldens-maxtext-tpu benchmark clean
 
 setup: $(STAMP)
 
@@ -50,12 +51,20 @@ $(MAXTEXT_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS)
 
 ## libtpu (the `tpu` extra) lives in its own venv too: it compiles for TPU slices on this
 ## host (`--tpu`), and `make setup` stays as light as before. JAX_PLATFORMS=cpu keeps jax
-## from looking for a TPU to run on; libtpu only compiles.
+## from looking for a TPU to run on; libtpu only compiles, so processes that load it side by
+## side (CI's TPU lanes) may share it: ALLOW_MULTIPLE_LIBTPU_LOAD, as MaxText's CPU CI sets.
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
-TPU_RUN := JAX_PLATFORMS=cpu $(TPU_VENV)/bin/python
+COMPILE_ONLY := JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=true
+TPU_RUN := $(COMPILE_ONLY) $(TPU_VENV)/bin/python
 ## TPU: the slices `make test-tpu` compiles for (see docs/tpu.md).
 TPU ?= default
+
+## MaxText compiled for TPU slices: maxtext $(MAXTEXT) with libtpu, in a venv of its own,
+## so that the MaxText venv above stays as CI's per-change lanes use it.
+MAXTEXT_TPU_VENV := .venv-maxtext-$(MAXTEXT)-tpu
+MAXTEXT_TPU_STAMP := $(MAXTEXT_TPU_VENV)/.installed
+MAXTEXT_TPU_RUN := $(COMPILE_ONLY) $(MAXTEXT_TPU_VENV)/bin/python
 
 setup-tpu: $(TPU_STAMP)
 
@@ -65,6 +74,15 @@ $(TPU_STAMP): pyproject.toml constraints.txt constraints-tpu.txt
 	$(TPU_VENV)/bin/python -m pip install --quiet -c constraints.txt -c constraints-tpu.txt \
 	  -e '.[dev,tpu]'
 	touch $(TPU_STAMP)
+
+setup-maxtext-tpu: $(MAXTEXT_TPU_STAMP)
+
+$(MAXTEXT_TPU_STAMP): pyproject.toml constraints.txt $(MAXTEXT_CONSTRAINTS) constraints-tpu.txt
+	$(PYTHON) -m venv $(MAXTEXT_TPU_VENV)
+	$(MAXTEXT_TPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MAXTEXT_TPU_VENV)/bin/python -m pip install --quiet -c constraints.txt \
+	  -c $(MAXTEXT_CONSTRAINTS) -c constraints-tpu.txt -e '.[dev,maxtext,tpu]'
+	touch $(MAXTEXT_TPU_STAMP)
 
 constraints-maxtext-%.txt:
 	@echo "error: MAXTEXT=$* is not a release this harness supports (constraints-maxtext-<release>.txt: $(patsubst constraints-maxtext-%.txt,%,$(wildcard constraints-maxtext-*.txt)))" >&2; exit 2
@@ -117,6 +135,13 @@ test-tpu: $(TPU_STAMP)
 	  || status=$$?; \
 	exit $$status
 
+## The MaxText families compiled for TPU slices by libtpu: `--tpu $(TPU)` (by default the
+## device size on v6e:2x4, each production size on v5p:4x4x4 or where the family's
+## Topologies feature places it), against the goldens of maxtext $(MAXTEXT). Nightly in CI.
+test-maxtext-tpu: $(MAXTEXT_TPU_STAMP)
+	$(MAXTEXT_TPU_RUN) -m conformance $(foreach f,$(MAXTEXT_FAMILIES),--family '$(f)') \
+	  --tier $(TIER) --tpu $(TPU) -k tpu_compile $(REPORT_ARG) $(ARGS)
+
 ## What changed from maxtext 0.2.4 to $(MAXTEXT): the MaxText families' recorded_* checks
 ## (this release's numbers against 0.2.4's recorded references), then the golden and
 ## checkpoint changes, as the "Release upgrade" section of the report in UPGRADE_REPORT
@@ -159,6 +184,10 @@ goldens-tpu: $(TPU_STAMP)
 goldens-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance -m golden --snapshot-update --family 'maxtext-*' \
 	  --tier $(TIER) $(ARGS)
+
+goldens-maxtext-tpu: $(MAXTEXT_TPU_STAMP)
+	$(MAXTEXT_TPU_RUN) -m conformance -m golden --snapshot-update \
+	  $(foreach f,$(MAXTEXT_FAMILIES),--family '$(f)') --tier full --tpu $(TPU) -k tpu_compile $(ARGS)
 
 ## The package as a user installs it, without a clone: build the wheel, install it with
 ## the pinned versions in a fresh venv, and run the built-in families' smoke-tier goldens,

@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from conformance_models.maxtext import releases
@@ -24,12 +25,12 @@ _FIXED: Mapping[str, Any] = {
     "max_target_length": SEQ_LEN,
     "max_prefill_predict_length": SEQ_LEN // 2,
     "attention": "dot_product",
-    "matmul_precision": "highest",
     "weight_dtype": "float32",
     "enable_dropout": True,
     "jax_cache_dir": "",
 }
-"""Overrides every family gets: tiny CPU-friendly shapes, reference attention, f32 weights.
+"""Overrides every size of every family gets: tiny CPU-friendly shapes, reference
+attention, float32 weights.
 
 ``jax_cache_dir`` is emptied because MaxText's config initialisation otherwise turns on
 jax's persistent compilation cache for the whole process (``compilation_cache.
@@ -113,7 +114,11 @@ def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
     """MaxText's ``HyperParameters`` for ``config`` on ``backend``.
 
     With a mesh, MaxText's ``ici_<axis>_parallelism`` keys are its axis sizes: MaxText's
-    layers read them (the MoE layer's expert and tensor splits), not only the mesh.
+    layers read them (the MoE layer's expert and tensor splits), not only the mesh. A
+    mesh of more devices than this host has (a TPU slice compiled ahead of time) sets
+    ``internal_compile_num_devices``, as MaxText's ``train_compile`` does: MaxText then
+    counts the slice's devices, not the host's, so its batch and KV caches hold one row
+    per chip (``per_device_batch_size`` 1), as the harness's abstract batch does there.
     Configs that set the same keys (the AQT modes differ only in the quantization object
     the adapter passes) share one initialisation.
     """
@@ -123,6 +128,8 @@ def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
             f"ici_{_ICI_NAMES.get(axis, axis)}_parallelism": n
             for axis, n in config.mesh.shape.items()
         }
+        if config.mesh.size > jax.device_count():
+            keys |= {"internal_compile": True, "internal_compile_num_devices": config.mesh.size}
     return _initialize(tuple(sorted((k, _frozen(v)) for k, v in keys.items())))
 
 
