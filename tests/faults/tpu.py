@@ -4,7 +4,8 @@ An output head NNX replicates, which the compiler places differently; and the sa
 faulty families as the ``cost`` check's (:mod:`tests.faults.cost`), compiled
 by libtpu for a TPU slice: at the device size on a small slice, and at llama's ``8b``
 on a production slice, scanned as production trains, where a lost remat no longer fits
-the chip and a per-layer copy of a read-only table costs gigabytes. At the device size
+the chip, nor, with a per-layer copy of a read-only table, does NNX's forward (the
+out-of-memory that MaxText's stacked read-only parameters gave DeepSeek-V3). At the device size
 libtpu's own scheduling keeps a step without remat within Linen's memory: dropping
 remat shows as the all-reduces Linen's recomputed forward runs and NNX's does not.
 """
@@ -75,7 +76,7 @@ FAULTS = (
     Fault(
         NnxScanStacksReadOnlyTable(),
         "tpu_compile",
-        (_COMPILED, "forward: argument_bytes NNX"),
+        (_COMPILED, "NNX forward does not fit a v5p chip"),
         size="8b",
         scan_layers=True,
     ),
