@@ -31,6 +31,7 @@ from jax.extend import core as jcore
 from conformance.contract import Batch
 from conformance.runtime.backends import Runner
 from conformance.runtime.calls import ModuleCall
+from conformance.runtime.traced import inner_jaxprs
 
 SUM_OF_PRODUCTS = "sum of products"
 """The group of ``dot_general`` and sums, by the dtypes their operands were computed in
@@ -146,18 +147,14 @@ def _inner(eqn: jcore.JaxprEqn) -> Iterator[tuple[jcore.Jaxpr, tuple[Any, ...]]]
     constants and scanned inputs, not its carry (from the second iteration on, the body's
     own output); any other (``cond`` branches, ``while`` bodies) none of them.
     """
-    for value in eqn.params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            inner = item.jaxpr if isinstance(item, jcore.ClosedJaxpr) else item
-            if not isinstance(inner, jcore.Jaxpr):
-                continue
-            operands: tuple[Any, ...] = ()
-            if len(inner.invars) == len(eqn.invars):
-                operands = tuple(eqn.invars)
-            if eqn.primitive.name == "scan":
-                consts, carry = _scan_counts(eqn.params)
-                operands = (*operands[:consts], *([None] * carry), *operands[consts + carry :])
-            yield inner, operands
+    for inner in inner_jaxprs(eqn):
+        operands: tuple[Any, ...] = ()
+        if len(inner.invars) == len(eqn.invars):
+            operands = tuple(eqn.invars)
+        if eqn.primitive.name == "scan":
+            consts, carry = _scan_counts(eqn.params)
+            operands = (*operands[:consts], *([None] * carry), *operands[consts + carry :])
+        yield inner, operands
 
 
 def _scan_counts(params: Mapping[str, Any]) -> tuple[int, int]:
