@@ -27,8 +27,28 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
     ("position", None),
     ("cache_length", None),
+    ("activation_batch", ("data", "fsdp")),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
 )
-"""Logical-axis rules shared by every built-in family, first match wins."""
+"""Logical-axis rules shared by every built-in family, first match wins.
+
+The ``activation_*`` names are the activations' (the parameters' names stand for
+parameter axes): rows split over ``data`` and ``fsdp`` as the batch is, the model
+dimension whole on each device (FSDP gathers the weights, not the activations), the
+MLP's hidden and the vocabulary over ``tensor``.
+"""
+
+ACTIVATION_EMBED = ("activation_batch", "activation_length", "activation_embed")
+"""The logical names of a ``[batch, seq, d_model]`` activation (the residual stream)."""
+
+ACTIVATION_MLP = ("activation_batch", "activation_length", "activation_mlp")
+"""The logical names of an MLP's hidden activation ``[batch, seq, mlp_dim]``."""
+
+ACTIVATION_VOCAB = ("activation_batch", "activation_length", "activation_vocab")
+"""The logical names of the logits ``[batch, seq, vocab]``."""
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
 

@@ -39,6 +39,10 @@ class TransformerConfig:
     (``nn.Fp8DirectDotGeneralOp``; bridged into NNX)."""
     vocab_tiles: int = 1
     """Slices a training call given ``targets`` computes its logits and loss in."""
+    mesh: Any = None
+    """The device mesh activations are constrained on (``None``: not constrained)."""
+    rules: tuple[tuple[str, Any], ...] = ()
+    """The logical-axis rules activation constraints resolve by, on :attr:`mesh`."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -18,6 +18,11 @@ from conformance_models.common import EMBED_INIT, kernel_init
 from conformance_models.config import TransformerConfig
 
 
+def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -> jax.Array:
+    """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``)."""
+    return nn.with_logical_constraint(x, names, rules=config.rules, mesh=config.mesh)
+
+
 class DenseGeneral(nn.Module):
     """Contract the trailing ``len(in_shape)`` input axes with a kernel, plus an optional bias.
 

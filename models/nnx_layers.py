@@ -13,10 +13,22 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from conformance_models import aqt, common
 from conformance_models.common import EMBED_INIT, kernel_init
 from conformance_models.config import TransformerConfig
+
+
+def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -> jax.Array:
+    """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``).
+
+    A name without a rule leaves its dimension unconstrained-replicated, as in Linen.
+    """
+    if config.mesh is None:
+        return x
+    spec = nn.logical_to_mesh_axes(names, config.rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
 
 
 class DenseGeneral(nnx.Module):

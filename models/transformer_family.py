@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
@@ -130,3 +131,20 @@ class TransformerFamily(Family):
     def logical_axis_rules(self) -> LogicalRules:
         """Return :data:`conformance_models.common.LOGICAL_AXIS_RULES`."""
         return LOGICAL_AXIS_RULES
+
+    def with_mesh(self, config: TransformerConfig, mesh: jax.sharding.Mesh) -> TransformerConfig:
+        """``config`` whose modules constrain their activations on ``mesh``.
+
+        By :meth:`logical_axis_rules`, each rule keeping only the mesh axes ``mesh`` has
+        (``tensor`` on an ``fsdp=8`` mesh constrains nothing).
+        """
+        rules = tuple((name, _on(target, mesh)) for name, target in self.logical_axis_rules())
+        return dataclasses.replace(config, mesh=mesh, rules=rules)
+
+
+def _on(target: Any, mesh: jax.sharding.Mesh) -> Any:
+    """A rule's mesh axes that ``mesh`` has: a name, a tuple of names, or ``None``."""
+    kept = tuple(
+        a for a in ((target,) if isinstance(target, str) else target or ()) if a in mesh.axis_names
+    )
+    return None if not kept else kept[0] if isinstance(target, str) else kept

@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from conformance_models import common
 from conformance_models.config import TransformerConfig
-from conformance_models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
+from conformance_models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers, constrain
 
 
 class LayerNorm(nn.Module):
@@ -58,6 +58,7 @@ class Attention(nn.Module):
     def __call__(self, x: jax.Array, segment_ids: jax.Array, mode: str) -> jax.Array:
         """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
         cfg = self.config
+        x = constrain(x, common.ACTIVATION_EMBED, cfg)
         qkv = DenseGeneral(
             (cfg.d_model,),
             (3, cfg.num_heads, cfg.head_dim),
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         k, v, mask = KVCache(cfg, name="kv_cache")(k, v, segment_ids, mode)
         out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
-        return DenseGeneral(
+        out = DenseGeneral(
             (cfg.num_heads, cfg.head_dim),
             (cfg.d_model,),
             ("heads", "head_dim", "embed"),
@@ -83,6 +84,7 @@ class Attention(nn.Module):
             fp8=cfg.fp8,
             name="out",
         )(out)
+        return constrain(out, common.ACTIVATION_EMBED, cfg)
 
 
 class Mlp(nn.Module):
@@ -105,7 +107,7 @@ class Mlp(nn.Module):
             fp8=cfg.fp8,
             name="wi",
         )(x)
-        h = jax.nn.gelu(h)
+        h = constrain(jax.nn.gelu(h), common.ACTIVATION_MLP, cfg)
         return DenseGeneral(
             (cfg.mlp_dim,),
             (cfg.d_model,),
@@ -195,7 +197,7 @@ class Gpt3(nn.Module):
             param_dtype=cfg.param_dtype,
             name="pos_embed",
         )
-        x = token_embed(tokens) + pos_embed(positions)
+        x = constrain(token_embed(tokens) + pos_embed(positions), common.ACTIVATION_EMBED, cfg)
         x, hidden_states = apply_layers(
             Block, cfg, x, segment_ids, deterministic=deterministic, mode=mode
         )
@@ -207,4 +209,4 @@ class Gpt3(nn.Module):
             return common.tiled_token_loss(
                 token_embed.attend, x, targets, target_weights, cfg.vocab_tiles
             )
-        return token_embed.attend(x)
+        return constrain(token_embed.attend(x), common.ACTIVATION_VOCAB, cfg)

@@ -20,6 +20,7 @@ from conformance_models.nnx_layers import (
     Embed,
     KVCache,
     apply_layers,
+    constrain,
     init_caches,
     make_layers,
 )
@@ -53,6 +54,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
+        self.config = cfg
         self.dtype = cfg.dtype
         self.qkv = DenseGeneral(
             (cfg.d_model,),
@@ -80,10 +82,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array, mode: str) -> jax.Array:
         """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
-        qkv = self.qkv(x)
+        qkv = self.qkv(constrain(x, common.ACTIVATION_EMBED, self.config))
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         k, v, mask = self.kv_cache(k, v, segment_ids, mode)
-        return self.out(common.dot_product_attention(q, k, v, mask, self.dtype))
+        out = self.out(common.dot_product_attention(q, k, v, mask, self.dtype))
+        return constrain(out, common.ACTIVATION_EMBED, self.config)
 
 
 class Mlp(nnx.Module):
@@ -91,6 +94,7 @@ class Mlp(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
+        self.config = cfg
         self.wi = DenseGeneral(
             (cfg.d_model,),
             (cfg.mlp_dim,),
@@ -116,7 +120,7 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the MLP to ``x`` ``[b, s, d_model]``."""
-        return self.wo(jax.nn.gelu(self.wi(x)))
+        return self.wo(constrain(jax.nn.gelu(self.wi(x)), common.ACTIVATION_MLP, self.config))
 
 
 class Block(nnx.Module):
@@ -211,6 +215,7 @@ class Gpt3(nnx.Module):
         (``common.tiled_token_loss``), instead of the logits.
         """
         x = self.token_embed(tokens) + self.pos_embed(positions)
+        x = constrain(x, common.ACTIVATION_EMBED, self.config)
         x, hidden_states = apply_layers(
             self.layers, self.config, x, segment_ids, deterministic=deterministic, mode=mode
         )
@@ -221,4 +226,4 @@ class Gpt3(nnx.Module):
             return common.tiled_token_loss(
                 self.token_embed.attend, x, targets, target_weights, self.config.vocab_tiles
             )
-        return self.token_embed.attend(x)
+        return constrain(self.token_embed.attend(x), common.ACTIVATION_VOCAB, self.config)

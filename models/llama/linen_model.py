@@ -15,7 +15,7 @@ from flax import linen as nn
 
 from conformance_models import common
 from conformance_models.config import TransformerConfig
-from conformance_models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers
+from conformance_models.linen_layers import DenseGeneral, Embed, KVCache, apply_layers, constrain
 
 
 class RMSNorm(nn.Module):
@@ -58,6 +58,7 @@ class Attention(nn.Module):
         }
         q_shape = (cfg.num_heads, cfg.head_dim)
         kv_shape = (cfg.num_kv_heads, cfg.head_dim)
+        x = constrain(x, common.ACTIVATION_EMBED, cfg)
         q = DenseGeneral(
             (cfg.d_model,), q_shape, ("embed", "heads", "head_dim"), **dense, name="q"
         )(x)
@@ -71,9 +72,10 @@ class Attention(nn.Module):
         k = common.apply_rope(k, positions, cfg.rope_base)
         k, v, mask = KVCache(cfg, name="kv_cache")(k, v, segment_ids, mode)
         out = common.dot_product_attention(q, k, v, mask, cfg.dtype)
-        return DenseGeneral(
+        out = DenseGeneral(
             q_shape, (cfg.d_model,), ("heads", "head_dim", "embed"), **dense, name="o"
         )(out)
+        return constrain(out, common.ACTIVATION_EMBED, cfg)
 
 
 class Mlp(nn.Module):
@@ -95,7 +97,7 @@ class Mlp(nn.Module):
         gate = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="gate")(x)
         up = DenseGeneral((cfg.d_model,), (cfg.mlp_dim,), up_names, **dense, name="up")(x)
         down = DenseGeneral((cfg.mlp_dim,), (cfg.d_model,), ("mlp", "embed"), **dense, name="down")
-        return down(jax.nn.silu(gate) * up)
+        return down(constrain(jax.nn.silu(gate) * up, common.ACTIVATION_MLP, cfg))
 
 
 class Block(nn.Module):
@@ -175,6 +177,7 @@ class Llama(nn.Module):
             param_dtype=cfg.param_dtype,
             name="token_embed",
         )(tokens)
+        x = constrain(x, common.ACTIVATION_EMBED, cfg)
         x, hidden_states = apply_layers(
             self.block, cfg, x, positions, segment_ids, deterministic=deterministic, mode=mode
         )
@@ -194,4 +197,4 @@ class Llama(nn.Module):
         )
         if targets is not None:
             return common.tiled_token_loss(head, x, targets, target_weights, cfg.vocab_tiles)
-        return head(x)
+        return constrain(head(x), common.ACTIVATION_VOCAB, cfg)

@@ -20,6 +20,7 @@ from conformance_models.nnx_layers import (
     Embed,
     KVCache,
     apply_layers,
+    constrain,
     init_caches,
     make_layers,
 )
@@ -48,6 +49,7 @@ class Attention(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
+        self.config = cfg
         self.dtype = cfg.dtype
         self.rope_base = cfg.rope_base
         dense: dict[str, Any] = {
@@ -69,11 +71,12 @@ class Attention(nnx.Module):
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, mode: str
     ) -> jax.Array:
         """Attend over ``x`` ``[b, s, d_model]``, causally within each segment."""
+        x = constrain(x, common.ACTIVATION_EMBED, self.config)
         q = common.apply_rope(self.q(x), positions, self.rope_base)
         k = common.apply_rope(self.k(x), positions, self.rope_base)
         k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
         out = common.dot_product_attention(q, k, v, mask, self.dtype)
-        return self.o(out)
+        return constrain(self.o(out), common.ACTIVATION_EMBED, self.config)
 
 
 class Mlp(nnx.Module):
@@ -81,6 +84,7 @@ class Mlp(nnx.Module):
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs) -> None:
         cfg = config
+        self.config = cfg
         dense: dict[str, Any] = {
             "dtype": cfg.dtype,
             "param_dtype": cfg.param_dtype,
@@ -94,7 +98,8 @@ class Mlp(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the MLP to ``x`` ``[b, s, d_model]``."""
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+        return self.down(constrain(hidden, common.ACTIVATION_MLP, self.config))
 
 
 class Block(nnx.Module):
@@ -202,7 +207,7 @@ class Llama(nnx.Module):
         weighted cross entropy, computed ``config.vocab_tiles`` slices at a time
         (``common.tiled_token_loss``), instead of the logits.
         """
-        x = self.token_embed(tokens)
+        x = constrain(self.token_embed(tokens), common.ACTIVATION_EMBED, self.config)
         x, hidden_states = apply_layers(
             self.layers,
             self.config,
@@ -219,4 +224,4 @@ class Llama(nnx.Module):
             return common.tiled_token_loss(
                 self.lm_head, x, targets, target_weights, self.config.vocab_tiles
             )
-        return self.lm_head(x)
+        return constrain(self.lm_head(x), common.ACTIVATION_VOCAB, self.config)

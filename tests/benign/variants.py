@@ -36,6 +36,7 @@ from conformance_models.llama.family import LlamaFamily
 from conformance_models.moe import nnx_model as moe_nnx
 from conformance_models.moe import routing
 from conformance_models.moe.family import MoeFamily
+from conformance_models.nnx_layers import constrain
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
     ("precision", None),
@@ -91,7 +92,7 @@ class Variant:
 
 def _up_before_gate(self: llama_nnx.Mlp, x: jax.Array) -> jax.Array:
     up = self.up(x)
-    return self.down(up * jax.nn.silu(self.gate(x)))
+    return self.down(constrain(up * jax.nn.silu(self.gate(x)), common.ACTIVATION_MLP, self.config))
 
 
 def _reciprocal_sqrt_by_division(self: llama_nnx.RMSNorm, x: jax.Array) -> jax.Array:
@@ -113,10 +114,13 @@ def attention_with(kernel: Any) -> Any:
         segment_ids: jax.Array,
         mode: str,
     ) -> jax.Array:
+        x = constrain(x, common.ACTIVATION_EMBED, self.config)
         q = common.apply_rope(self.q(x), positions, self.rope_base)
         k = common.apply_rope(self.k(x), positions, self.rope_base)
         k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
-        return self.o(kernel(q, k, v, mask, self.dtype))
+        return constrain(
+            self.o(kernel(q, k, v, mask, self.dtype)), common.ACTIVATION_EMBED, self.config
+        )
 
     call.__name__ = kernel.__name__
     return call
@@ -154,6 +158,7 @@ def _fused_qkv(
     projections = (self.q, self.k, self.v)
     if any(p.aqt_mode is not None or p.fp8 or p.kernel is None for p in projections):
         return _ATTENTION_CALL(self, x, positions, segment_ids, mode)
+    x = constrain(x, common.ACTIVATION_EMBED, self.config)
     kernel = jnp.concatenate([p.kernel[...] for p in projections], axis=1)
     x, kernel = nnx.nn.dtypes.promote_dtype((x, kernel), dtype=self.dtype)
     qkv = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
@@ -162,7 +167,8 @@ def _fused_qkv(
     q = common.apply_rope(q, positions, self.rope_base)
     k = common.apply_rope(k, positions, self.rope_base)
     k, v, mask = self.kv_cache(k, v, segment_ids, mode)
-    return self.o(common.dot_product_attention(q, k, v, mask, self.dtype))
+    out = self.o(common.dot_product_attention(q, k, v, mask, self.dtype))
+    return constrain(out, common.ACTIVATION_EMBED, self.config)
 
 
 _ATTENTION_CALL = llama_nnx.Attention.__call__

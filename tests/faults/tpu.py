@@ -1,6 +1,6 @@
 """Faults only a TPU compile at production size sees plainly, each with numbers equal to Linen's.
 
-An output head NNX replicates, which the compiler places differently; and the same
+An output head NNX replicates, whose gradient the compiler places differently; and the same
 faulty families as the ``cost`` check's (:mod:`tests.faults.cost`), compiled
 by libtpu for a TPU slice: at the device size on a small slice, and at llama's ``8b``
 on a production slice, scanned as production trains, where a lost remat no longer fits
@@ -20,8 +20,9 @@ _COMPILED = "compiled for TPU"
 
 
 class NnxReplicatesHead(LlamaFamily):
-    """NNX replicates the output head Linen shards by vocabulary: the same logits, which
-    the compiler then places replicated along the vocabulary."""
+    """NNX replicates the output head Linen shards: the same logits (both sides constrain
+    them), and a gradient the compiler places whole along the model dimension, where
+    Linen's is split over ``fsdp``."""
 
     def nnx_module(self, config, rngs):
         model = super().nnx_module(config, rngs)
@@ -35,10 +36,10 @@ FAULTS = (
         "tpu_compile",
         (
             _COMPILED,
-            "forward: logits placed by the compiler as Linen ['data', None, 'tensor']",
-            "but NNX ['data', None, None]",
+            "train_step: metrics/grads/lm_head/kernel placed by the compiler as Linen "
+            "['fsdp', 'tensor'] but NNX [None, 'tensor']",
         ),
-        mesh_axes=("tensor",),
+        mesh_axes=("fsdp",),
     ),
     Fault(
         NnxDropsRemat(),
