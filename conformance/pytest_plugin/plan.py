@@ -116,7 +116,8 @@ class Planned:
         """Where its golden lives, ``<goldens>/<family>/<check>/<case>.json``, if it has one.
 
         A golden that depends on the platform (``Check.golden_by_platform``) lives at
-        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``,
+        ``<goldens>/<family>/<check>/<platform>-xla-<level>/<primary mesh>-<case>.json``
+        (``<case>.json`` when the case names its mesh),
         one compiled for a TPU slice (axis ``tpu``) at
         ``<goldens>/<family>/<check>/libtpu-<version>-xla-full/<case>.json``;
         a family with a :class:`~conformance.contract.Release` keeps its goldens in a
@@ -130,7 +131,8 @@ class Planned:
             folder /= name
         folder /= self.check.name
         if self.check.golden_by_platform:
-            return folder / run.platform / f"{run.primary.id}-{case}.json"
+            on = "" if "mesh" in self.values else f"{run.primary.id}-"
+            return folder / run.platform / f"{on}{case}.json"
         if "tpu" in self.values:
             return folder / run.tpu_platform / f"{case}.json"
         return folder / f"{case}.json"

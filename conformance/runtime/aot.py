@@ -55,7 +55,8 @@ def _abstract(case: Case, batch: Batch) -> Batch:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch)
 
 
-def _abstract_params(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_params(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
+    """``side``'s parameters as ``jax.ShapeDtypeStruct`` leaves, placed as it places them."""
     shardings = side.shardings()
     return {
         path: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=shardings[path])
@@ -77,7 +78,7 @@ def lowered_forward(side: Side, batch: Batch) -> Program:
 
     The compiler places both outputs: the logits and the sown hidden states.
     """
-    lowered = side.runner.lowered_forward(_abstract_params(side), batch)
+    lowered = side.runner.lowered_forward(abstract_params(side), batch)
     return Program(lowered, {0: "logits", 1: "hidden"})
 
 
@@ -108,7 +109,7 @@ def lowered_decode_step(side: Side, rows: int) -> Program:
     }
     at = np.zeros((rows, 1), np.int32)
     batch = _abstract(case, step_batch(at, at))
-    lowered = decoder.lowered("decode", _abstract_params(side), cache, batch, shardings)
+    lowered = decoder.lowered("decode", abstract_params(side), cache, batch, shardings)
     return Program(lowered, {0: "logits"})
 
 

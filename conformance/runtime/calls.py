@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,13 +38,33 @@ class ModuleCall:
     host callback is refused."""
 
 
-Around = Callable[[ModuleCall, Callable[[], Any]], Any]
-"""``around(call, run)``: runs the call (``run()``) and returns its output."""
+Around = Callable[[ModuleCall, Callable[..., Any]], Any]
+"""``around(call, run)``: runs the call and returns its output.
+
+``run()`` calls the method with the call's own arguments; ``run(args, kwargs)`` with
+others in their place (the same values, passed through an identity the caller traces).
+"""
 
 
 def _traced_method(name: str, base: Any) -> bool:
     """Whether a method of a module class is seen: ``__call__`` and public methods."""
     return name == "__call__" or (not name.startswith("_") and not hasattr(base, name))
+
+
+def _runner(
+    fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """The ``run`` of :data:`Around` for a call of ``fun`` with ``args`` and ``kwargs``."""
+
+    def run(
+        new_args: tuple[Any, ...] | None = None, new_kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        return fun(
+            *(args if new_args is None else new_args),
+            **(kwargs if new_kwargs is None else new_kwargs),
+        )
+
+    return run
 
 
 @contextlib.contextmanager
@@ -61,7 +82,7 @@ def linen_calls(around: Around) -> Iterator[None]:
         lifted = context.module.scope.trace_level != outer
         path = "/".join(context.module.path)
         call = ModuleCall(path, context.method_name, (args, kwargs), lifted)
-        return around(call, lambda: next_fun(*args, **kwargs))
+        return around(call, _runner(next_fun, args, kwargs))
 
     with nn.intercept_methods(interceptor):
         yield
@@ -93,7 +114,7 @@ def nnx_calls(model: nnx.Module, around: Around) -> Iterator[None]:
             if path is None:
                 return method(self, *args, **kwargs)
             call = ModuleCall(path, name, (args, kwargs))
-            return around(call, lambda: method(self, *args, **kwargs))
+            return around(call, _runner(functools.partial(method, self), args, kwargs))
 
         return wrapped
 

@@ -3,7 +3,8 @@
 The mirror of the planted faults. Each variant changes how a built-in family's NNX side
 computes, never what: another order of sub-calls, another attention kernel, another
 formula for the same normalisation, one fused projection for three, ``einsum`` for
-``dot_general``; or rewrites both sides alike in a way a zoo may (padded vocabulary
+``dot_general``, an activation constraint through another API or moved to the enclosing
+module; or rewrites both sides alike in a way a zoo may (padded vocabulary
 entries masked to ``-inf``). Every check listed for a variant must pass on it; a harness that fails
 one cries wolf. Float rounding that quantization carries across quantization steps
 passes through the quantization-aware policy (:mod:`conformance.core.rounding`). A check
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx
 
 from conformance.contract import (
@@ -39,6 +41,7 @@ from conformance_models.moe.family import MoeFamily
 from conformance_models.nnx_layers import constrain
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
+    ("activation_sharding", None),
     ("precision", None),
     ("forward", None),
     ("train_step", None),
@@ -48,8 +51,8 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
     ("quant_forward", "qat_int8"),
     ("qat_train_step", "qat_int8"),
 )
-"""``(check, quantization mode)`` a llama variant must pass: precision, float (bfloat16
-training too), decode and Qwix."""
+"""``(check, quantization mode)`` a llama variant must pass: activation shardings,
+precision, float (bfloat16 training too), decode and Qwix."""
 
 
 _FUSED_PTQ = (
@@ -101,10 +104,11 @@ def _reciprocal_sqrt_by_division(self: llama_nnx.RMSNorm, x: jax.Array) -> jax.A
     return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def attention_with(kernel: Any) -> Any:
+def attention_with(kernel: Any, *, output_constrained: bool = True) -> Any:
     """Llama's NNX attention ``__call__``, ``kernel(q, k, v, mask, dtype)`` its attention.
 
-    The replacement is named after ``kernel``.
+    The replacement is named after ``kernel``. Without ``output_constrained`` it leaves
+    its output for the caller to constrain.
     """
 
     def call(
@@ -118,9 +122,8 @@ def attention_with(kernel: Any) -> Any:
         q = common.apply_rope(self.q(x), positions, self.rope_base)
         k = common.apply_rope(self.k(x), positions, self.rope_base)
         k, v, mask = self.kv_cache(k, self.v(x), segment_ids, mode)
-        return constrain(
-            self.o(kernel(q, k, v, mask, self.dtype)), common.ACTIVATION_EMBED, self.config
-        )
+        out = self.o(kernel(q, k, v, mask, self.dtype))
+        return constrain(out, common.ACTIVATION_EMBED, self.config) if output_constrained else out
 
     call.__name__ = kernel.__name__
     return call
@@ -216,6 +219,31 @@ def _experts_one_by_one(self: moe_nnx.MoeMlp, x: jax.Array) -> jax.Array:
     return out
 
 
+def _hidden_through_linen_api(self: llama_nnx.Mlp, x: jax.Array) -> jax.Array:
+    """Llama's NNX MLP constraining its hidden through Linen's logical-constraint function."""
+    cfg = self.config
+    hidden = jax.nn.silu(self.gate(x)) * self.up(x)
+    hidden = nn.with_logical_constraint(
+        hidden, common.ACTIVATION_MLP, rules=cfg.rules, mesh=cfg.mesh
+    )
+    return self.down(hidden)
+
+
+def _block_constraining_attention(
+    self: llama_nnx.Block, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, **kw: Any
+) -> jax.Array:
+    """Llama's NNX block constraining attention's output, as attention no longer does."""
+    h = self.attn(self.attn_norm(x), positions, segment_ids, kw["mode"])
+    h = constrain(h, common.ACTIVATION_EMBED, self.attn.config)
+    if self.dropout is not None:
+        h = self.dropout(h, deterministic=kw["deterministic"])
+    x = x + h
+    h = self.mlp(self.mlp_norm(x))
+    if self.dropout is not None:
+        h = self.dropout(h, deterministic=kw["deterministic"])
+    return x + h
+
+
 PADDED_VOCAB = 3
 """How many of the vocabulary's last entries :func:`_masking_padded_vocab` masks."""
 
@@ -279,6 +307,26 @@ VARIANTS: tuple[Variant, ...] = (
             ("train_step", None),
             ("aux_losses", None),
         ),
+    ),
+    Variant(
+        "constraint-through-linen-api",
+        "the MLP constrains its hidden activation with flax.linen's with_logical_constraint "
+        "rather than jax.lax.with_sharding_constraint: the same spec",
+        ((llama_nnx.Mlp, "__call__", _hidden_through_linen_api),),
+        checks=(("activation_sharding", None), ("forward", None), ("train_step", None)),
+    ),
+    Variant(
+        "constraint-moved-to-block",
+        "attention's output is constrained by the block that calls it, not inside attention",
+        (
+            (
+                llama_nnx.Attention,
+                "__call__",
+                attention_with(common.dot_product_attention, output_constrained=False),
+            ),
+            (llama_nnx.Block, "__call__", _block_constraining_attention),
+        ),
+        checks=(("activation_sharding", None), ("forward", None), ("cost", None)),
     ),
     Variant(
         "padded-vocab-masked",

@@ -1,6 +1,6 @@
 """Planted faults: deliberate divergences, each injected into one side, by area.
 
-Each area module (:mod:`tests.faults.structure`, ``forward``, ``precision``,
+Each area module (:mod:`tests.faults.structure`, ``forward``, ``precision``, ``activations``,
 ``training``, ``state``, ``decode``, ``quantization``, ``checkpoints``, ``recorded``,
 ``cost``, ``tpu``) pairs its faults with the check that must catch them and the words
 (leaf path first) the failure report must contain.
@@ -9,6 +9,7 @@ Each area module (:mod:`tests.faults.structure`, ``forward``, ``precision``,
 from __future__ import annotations
 
 from tests.faults import (
+    activations,
     checkpoints,
     cost,
     decode,
@@ -34,6 +35,7 @@ FAULTS: tuple[Fault, ...] = (
     *checkpoints.FAULTS,
     *recorded.FAULTS,
     *cost.FAULTS,
+    *activations.FAULTS,
     *tpu.FAULTS,
 )
 """Every planted fault, by area."""

@@ -12,9 +12,19 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
 * :mod:`~conformance.checks.kernel.steps`: train steps;
-* :mod:`~conformance.checks.kernel.precision`: the dtypes each module computes in.
+* :mod:`~conformance.checks.kernel.precision`: the dtypes each module computes in;
+* :mod:`~conformance.checks.kernel.activations`: how each module call's values are
+  sharded.
 """
 
+from conformance.checks.kernel.activations import (
+    ActivationDifference,
+    ConstraintDifference,
+    activation_differences,
+    compare_tables,
+    constraint_differences,
+    golden_table,
+)
 from conformance.checks.kernel.layouts import (
     agreed_specs,
     leaf_table,
@@ -53,10 +63,16 @@ from conformance.checks.kernel.steps import (
 )
 
 __all__ = [
+    "ActivationDifference",
+    "ConstraintDifference",
     "DROPOUT_RATE",
     "STEPS",
     "Rerun",
+    "activation_differences",
     "agreed_specs",
+    "compare_tables",
+    "constraint_differences",
+    "golden_table",
     "attributed",
     "attribution_text",
     "beyond_own_spread",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conformance.checks import (
+    activations,
     aqt,
     checkpoint,
     cost,
@@ -20,6 +21,7 @@ from conformance.checks import (
 from conformance.checks.declare import Check, declared
 
 AREAS = (
+    activations,
     aqt,
     checkpoint,
     cost,

@@ -18,6 +18,7 @@ from conformance.runtime.precision.profile import (
     SUM_OF_PRODUCTS,
     Profile,
     profile,
+    within,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "compare_profiles",
     "profile",
     "unmatched",
+    "within",
 ]

@@ -1,0 +1,83 @@
+"""Activation shardings: how the compiled forward lays out every module call's values.
+
+Parameters, optimizer state and caches are placed by the specs each side asks for; the
+activations are laid out by the compiler, from those specs and from each model's
+activation constraints. A migration that forgets a constraint, writes it under another
+logical name or axis order, or constrains another tensor computes the same numbers and
+pays for it in collectives and memory. ``activation_sharding`` compiles each side's
+forward once with probes on every module call (:mod:`conformance.runtime.activations`)
+and compares the two, call by call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conformance.checks.declare import ON_MESH, declare
+from conformance.checks.kernel import activation_differences, golden_table, paired
+from conformance.core.failure import fail_if_any
+from conformance.runtime.case import Case
+from conformance.runtime.sides import live_pair
+
+SHOWN = 6
+"""Differing values a report lists, in Linen's call order; the rest are counted."""
+
+_CAUSE = (
+    "likely cause: a partitioning change, not a numeric one: an activation constraint "
+    "(nn.with_logical_constraint, jax.lax.with_sharding_constraint) that one side applies "
+    "and the other does not, or applies under another logical name, in another axis "
+    "order or to another tensor; the numbers agree either way, the collectives and "
+    "memory do not"
+)
+
+
+def _collectives(found: dict[str, tuple[int, int]]) -> str:
+    if not found:
+        return "none"
+    return ", ".join(f"{kind} x{count} ({size} B)" for kind, (count, size) in found.items())
+
+
+@declare(ON_MESH, golden=True, golden_by_platform=True)
+def check_activation_sharding(case: Case) -> dict[str, Any]:
+    """Every paired module call's inputs and outputs are sharded alike in both forwards.
+
+    Each side's forward is compiled for the case's mesh with probes
+    (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
+    The sharding constraints each paired module asks for must agree too, over its
+    subtree (:func:`~conformance.checks.kernel.constraint_differences`). A failure names
+    the first values, in Linen's call order, whose sharding differs, with both specs and
+    the shards they split each dimension in, the modules that constrain differently,
+    and both programs' collectives.
+    Returns NNX's call-by-call table as the golden (kept per platform, XLA level and
+    mesh: the partitioner decides it).
+    """
+    linen, nnx_ = live_pair(case)
+    paired(linen, nnx_)
+    rules = case.family.path_rules(case.bound)
+    laid_out, asked, first, second = activation_differences(linen, nnx_, rules)
+    mesh = dict(second.mesh)
+    problems = [d.describe(mesh) for d in laid_out[:SHOWN]]
+    if len(laid_out) > SHOWN:
+        problems.append(f"... and {len(laid_out) - SHOWN} more value(s) laid out differently")
+    problems += [d.describe() for d in asked[:SHOWN]]
+    if len(asked) > SHOWN:
+        problems.append(f"... and {len(asked) - SHOWN} more module(s) constraining differently")
+    if asked and not laid_out:
+        problems.append(
+            "the compiled layouts agree on this mesh: the compiler made up for the "
+            "difference here; it need not at another mesh, size or XLA release"
+        )
+    if problems:
+        problems += [
+            f"collectives of the forward: Linen {_collectives(dict(first.collectives))}; "
+            f"NNX {_collectives(dict(second.collectives))}",
+            _CAUSE,
+        ]
+    calls = len({(d.linen.path, d.linen.method, d.occurrence) for d in laid_out})
+    fail_if_any(
+        f"activation shardings differ ({case.layout} layout, mesh {case.mesh}): "
+        f"{len(laid_out)} value(s) of {calls} module call(s) laid out differently, "
+        f"{len(asked)} module(s) constraining differently",
+        problems,
+    )
+    return {"mesh": mesh, "calls": golden_table(second)}
