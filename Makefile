@@ -59,6 +59,8 @@ COMPILE_ONLY := JAX_PLATFORMS=cpu ALLOW_MULTIPLE_LIBTPU_LOAD=true
 TPU_RUN := $(COMPILE_ONLY) $(TPU_VENV)/bin/python
 ## TPU: the slices `make test-tpu` compiles for (see docs/tpu.md).
 TPU ?= default
+## The checks that compile for TPU slices: costs and fit, and activation shardings.
+TPU_CHECKS := tpu_compile or activation_sharding_tpu
 
 ## MaxText compiled for TPU slices: maxtext $(MAXTEXT) with libtpu, in a venv of its own,
 ## so that the MaxText venv above stays as CI's per-change lanes use it.
@@ -128,9 +130,9 @@ test-maxtext: $(MAXTEXT_STAMP)
 ## TPU planted faults: nothing runs on a TPU, none is needed.
 test-tpu: $(TPU_STAMP)
 	@status=0; \
-	$(TPU_RUN) -m conformance $(BUILTIN) --tier $(TIER) --tpu $(TPU) -k tpu_compile \
+	$(TPU_RUN) -m conformance $(BUILTIN) --tier $(TIER) --tpu $(TPU) -k '$(TPU_CHECKS)' \
 	  $(REPORT_ARG) $(ARGS) || status=$$?; \
-	$(TPU_RUN) -m pytest -p no:cacheprovider tests/faults -k tpu_compile --conformance-tier $(TIER) \
+	$(TPU_RUN) -m pytest -p no:cacheprovider tests/faults -k '$(TPU_CHECKS)' --conformance-tier $(TIER) \
 	  --conformance-tpu $(TPU) $(if $(REPORT),--conformance-report=$(abspath $(REPORT))) \
 	  || status=$$?; \
 	exit $$status
@@ -179,7 +181,7 @@ goldens: $(STAMP)
 
 goldens-tpu: $(TPU_STAMP)
 	$(TPU_RUN) -m conformance $(BUILTIN) -m golden --snapshot-update --tier full --tpu $(TPU) \
-	  -k tpu_compile $(ARGS)
+	  -k '$(TPU_CHECKS)' $(ARGS)
 
 goldens-maxtext: $(MAXTEXT_STAMP)
 	$(MAXTEXT_VENV)/bin/python -m conformance -m golden --snapshot-update --family 'maxtext-*' \

@@ -6,17 +6,21 @@ activation constraints. A migration that forgets a constraint, writes it under a
 logical name or axis order, or constrains another tensor computes the same numbers and
 pays for it in collectives and memory. ``activation_sharding`` compiles each side's
 forward once with probes on every module call (:mod:`conformance.runtime.activations`)
-and compares the two, call by call.
+and compares the two, call by call, on each device mesh; ``activation_sharding_tpu``
+does the same for a TPU slice, compiled by libtpu on a host without a TPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from conformance.checks.declare import ON_MESH, declare
+from conformance.checks.declare import ON_MESH, Axis, declare
 from conformance.checks.kernel import activation_differences, golden_table, paired
 from conformance.core.failure import fail_if_any
-from conformance.runtime.case import Case
+from conformance.core.tpu import TpuCompile
+from conformance.runtime.aot import batch_rows, traced_as_production
+from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.sides import live_pair
 
 SHOWN = 6
@@ -37,24 +41,12 @@ def _collectives(found: dict[str, tuple[int, int]]) -> str:
     return ", ".join(f"{kind} x{count} ({size} B)" for kind, (count, size) in found.items())
 
 
-@declare(ON_MESH, golden=True, golden_by_platform=True)
-def check_activation_sharding(case: Case) -> dict[str, Any]:
-    """Every paired module call's inputs and outputs are sharded alike in both forwards.
-
-    Each side's forward is compiled for the case's mesh with probes
-    (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
-    The sharding constraints each paired module asks for must agree too, over its
-    subtree (:func:`~conformance.checks.kernel.constraint_differences`). A failure names
-    the first values, in Linen's call order, whose sharding differs, with both specs and
-    the shards they split each dimension in, the modules that constrain differently,
-    and both programs' collectives.
-    Returns NNX's call-by-call table as the golden (kept per platform, XLA level and
-    mesh: the partitioner decides it).
-    """
+def _compared(case: Case, where: str, rows: int = BATCH_SIZE) -> dict[str, Any]:
+    """Both sides' tables of ``case``'s forward of ``rows``, compared; NNX's as the golden."""
     linen, nnx_ = live_pair(case)
     paired(linen, nnx_)
     rules = case.family.path_rules(case.bound)
-    laid_out, asked, first, second = activation_differences(linen, nnx_, rules)
+    laid_out, asked, first, second = activation_differences(linen, nnx_, rules, rows)
     mesh = dict(second.mesh)
     problems = [d.describe(mesh) for d in laid_out[:SHOWN]]
     if len(laid_out) > SHOWN:
@@ -75,9 +67,46 @@ def check_activation_sharding(case: Case) -> dict[str, Any]:
         ]
     calls = len({(d.linen.path, d.linen.method, d.occurrence) for d in laid_out})
     fail_if_any(
-        f"activation shardings differ ({case.layout} layout, mesh {case.mesh}): "
+        f"activation shardings differ ({case.layout} layout, {where}): "
         f"{len(laid_out)} value(s) of {calls} module call(s) laid out differently, "
         f"{len(asked)} module(s) constraining differently",
         problems,
     )
     return {"mesh": mesh, "calls": golden_table(second)}
+
+
+@declare(ON_MESH, golden=True, golden_by_platform=True)
+def check_activation_sharding(case: Case) -> dict[str, Any]:
+    """Every paired module call's inputs and outputs are sharded alike in both forwards.
+
+    Each side's forward is compiled for the case's mesh with probes
+    (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
+    The sharding constraints each paired module asks for must agree too, over its
+    subtree (:func:`~conformance.checks.kernel.constraint_differences`). A failure names
+    the first values, in Linen's call order, whose sharding differs, with both specs and
+    the shards they split each dimension in, the modules that constrain differently,
+    and both programs' collectives. Returns NNX's call-by-call table as the golden (kept
+    per platform, XLA level and mesh: the partitioner decides it).
+    """
+    return _compared(case, f"mesh {case.mesh}")
+
+
+@declare(
+    (Axis.FAMILY, Axis.TPU),
+    name="activation_sharding_tpu",
+    where="tpu",
+    devices=False,
+    golden=True,
+    given=(Axis.TPU,),
+)
+def check_activation_sharding_tpu(case: Case, tpu: TpuCompile) -> dict[str, Any]:
+    """:func:`check_activation_sharding` for ``tpu``'s slice, compiled by libtpu.
+
+    The forward of one row per chip (:func:`~conformance.runtime.aot.batch_rows`), at the
+    target's size: the device size on a small slice, each production size on a
+    production one, traced at jax's default matmul precision as production traces it.
+    Nothing is allocated or run. The golden is kept per topology and libtpu version.
+    """
+    where = f"TPU {tpu.target.topology.name}, mesh {tpu.target.mesh.id}, size {case.size}"
+    with traced_as_production() if tpu.target.production else contextlib.nullcontext():
+        return _compared(case, where, batch_rows(case))

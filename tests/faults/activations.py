@@ -70,6 +70,18 @@ FAULTS = (
         mesh_axes=("data", "fsdp", "tensor"),
     ),
     Fault(
+        LlamaFamily(),
+        "activation_sharding_tpu",
+        (
+            "activation shardings differ (loop layout, TPU v6e:2x4",
+            "layers_0/mlp/down (NNX layers/0/mlp/down) __call__ input 0 [8x32x128]: "
+            "Linen P(('data', 'fsdp'), None, 'tensor') = 4x1x2 shards, "
+            "NNX P(('data', 'fsdp'), None, None) = 4x1x1 shards",
+        ),
+        model_patch=(llama_nnx.Mlp, "__call__", _mlp_hidden_misspelt),
+        mesh_axes=("tensor",),
+    ),
+    Fault(
         Gpt3Family(),
         "activation_sharding",
         (

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from conformance.contract import PathRules
 from conformance.runtime.activations import Call, Spec, Table, activation_table, render, spec_text
+from conformance.runtime.case import BATCH_SIZE
 from conformance.runtime.diagnose.localise import module_pairs
 from conformance.runtime.precision import within
 from conformance.runtime.sides import Side
@@ -170,16 +171,16 @@ def compare_tables(
 
 
 def activation_differences(
-    linen: Side, nnx_: Side, rules: PathRules
+    linen: Side, nnx_: Side, rules: PathRules, rows: int = BATCH_SIZE
 ) -> tuple[list[ActivationDifference], list[ConstraintDifference], Table, Table]:
     """Where the two sides' forwards lay out or constrain values differently.
 
     The values of :func:`compare_tables`, the modules of :func:`constraint_differences`.
 
-    Returns them with both sides' tables. ``rules`` are the family's path rules, which
-    pair modules holding no parameters.
+    Returns them with both sides' tables, of forwards of ``rows``. ``rules`` are the
+    family's path rules, which pair modules holding no parameters.
     """
-    first, second = activation_table(linen), activation_table(nnx_)
+    first, second = activation_table(linen, rows), activation_table(nnx_, rows)
     pairs = module_pairs(
         linen.leaf_map().pairs(),
         rules,
