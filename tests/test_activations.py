@@ -59,3 +59,14 @@ def test_the_golden_table_keys_calls_by_module_and_method():
 
 def test_render_counts_the_shards_of_each_dimension():
     assert render(ROWS, MESH) == "P(('data', 'fsdp'), None, None) = 4x1x1 shards"
+
+
+def test_a_value_recomputed_in_another_layout_on_one_side_is_named():
+    relaid = ("output 0 also P(None, None, None)",)
+    linen = _table(Call("mlp", "__call__", {}, {0: ((8, 32, 64), ROWS)}, (), relaid))
+    nnx_ = _table(_call("mlp"))
+    (found,) = compare_tables(linen, nnx_, {"mlp": "mlp"})
+    assert found.describe(MESH) == (
+        "mlp __call__: Linen recomputes output 0 also P(None, None, None), "
+        "NNX recomputes nothing in another layout"
+    )

@@ -5,9 +5,10 @@ activations are laid out by the compiler, from those specs and from each model's
 activation constraints. A migration that forgets a constraint, writes it under another
 logical name or axis order, or constrains another tensor computes the same numbers and
 pays for it in collectives and memory. ``activation_sharding`` compiles each side's
-forward once with probes on every module call (:mod:`conformance.runtime.activations`)
-and compares the two, call by call, on each device mesh; ``activation_sharding_tpu``
-does the same for a TPU slice, compiled by libtpu on a host without a TPU.
+forward and train step once each with probes on every module call
+(:mod:`conformance.runtime.activations`) and compares the two, call by call, on each
+device mesh; ``activation_sharding_tpu`` does the same for a TPU slice, compiled by
+libtpu on a host without a TPU.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import contextlib
 from typing import Any
 
 from conformance.checks.declare import ON_MESH, Axis, declare
-from conformance.checks.kernel import activation_differences, golden_table, paired
+from conformance.checks.kernel import (
+    PROGRAMS,
+    Program,
+    activation_differences,
+    golden_table,
+    paired,
+)
+from conformance.contract import Remat, declared
 from conformance.core.failure import fail_if_any
 from conformance.core.tpu import TpuCompile
 from conformance.runtime.aot import batch_rows, traced_as_production
@@ -41,12 +49,12 @@ def _collectives(found: dict[str, tuple[int, int]]) -> str:
     return ", ".join(f"{kind} x{count} ({size} B)" for kind, (count, size) in found.items())
 
 
-def _compared(case: Case, where: str, rows: int = BATCH_SIZE) -> dict[str, Any]:
-    """Both sides' tables of ``case``'s forward of ``rows``, compared; NNX's as the golden."""
+def _problems(program: Program, case: Case, rows: int) -> tuple[list[str], str, dict[str, Any]]:
+    """``program``'s differences in words, its one-line count, and NNX's golden table."""
     linen, nnx_ = live_pair(case)
     paired(linen, nnx_)
     rules = case.family.path_rules(case.bound)
-    laid_out, asked, first, second = activation_differences(linen, nnx_, rules, rows)
+    laid_out, asked, first, second = activation_differences(linen, nnx_, rules, program, rows)
     mesh = dict(second.mesh)
     problems = [d.describe(mesh) for d in laid_out[:SHOWN]]
     if len(laid_out) > SHOWN:
@@ -60,26 +68,44 @@ def _compared(case: Case, where: str, rows: int = BATCH_SIZE) -> dict[str, Any]:
             "difference here; it need not at another mesh, size or XLA release"
         )
     if problems:
-        problems += [
-            f"collectives of the forward: Linen {_collectives(dict(first.collectives))}; "
-            f"NNX {_collectives(dict(second.collectives))}",
-            _CAUSE,
-        ]
-    calls = len({(d.linen.path, d.linen.method, d.occurrence) for d in laid_out})
+        problems.append(
+            f"collectives: Linen {_collectives(dict(first.collectives))}; "
+            f"NNX {_collectives(dict(second.collectives))}"
+        )
+    count = (
+        f"{program.name}: {len(laid_out)} value(s) laid out differently, "
+        f"{len(asked)} module(s) constraining differently"
+    )
+    return [f"{program.name}: {p}" for p in problems], count, golden_table(second)
+
+
+def _compared(
+    case: Case, where: str, rows: int = BATCH_SIZE, step: Case | None = None
+) -> dict[str, Any]:
+    """Both sides' forward and train step (of ``step``, default ``case``), compared.
+
+    Returns NNX's tables of both as the golden.
+    """
+    problems, counts, tables = [], [], {}
+    forward, train_step = PROGRAMS
+    for program, on in ((forward, case), (train_step, step or case)):
+        found, count, tables[program.name] = _problems(program, on, rows)
+        problems += found
+        counts += [count] if found else []
+    if problems:
+        problems.append(_CAUSE)
     fail_if_any(
-        f"activation shardings differ ({case.layout} layout, {where}): "
-        f"{len(laid_out)} value(s) of {calls} module call(s) laid out differently, "
-        f"{len(asked)} module(s) constraining differently",
+        f"activation shardings differ ({case.layout} layout, {where}): " + "; ".join(counts),
         problems,
     )
-    return {"mesh": mesh, "calls": golden_table(second)}
+    return {"mesh": case.mesh.sizes(), **tables}
 
 
 @declare(ON_MESH, golden=True, golden_by_platform=True)
 def check_activation_sharding(case: Case) -> dict[str, Any]:
-    """Every paired module call's inputs and outputs are sharded alike in both forwards.
+    """Every paired module call's values are sharded alike in both forwards and train steps.
 
-    Each side's forward is compiled for the case's mesh with probes
+    Each side's forward and train step are compiled for the case's mesh with probes
     (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
     The sharding constraints each paired module asks for must agree too, over its
     subtree (:func:`~conformance.checks.kernel.constraint_differences`). A failure names
@@ -102,11 +128,15 @@ def check_activation_sharding(case: Case) -> dict[str, Any]:
 def check_activation_sharding_tpu(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     """:func:`check_activation_sharding` for ``tpu``'s slice, compiled by libtpu.
 
-    The forward of one row per chip (:func:`~conformance.runtime.aot.batch_rows`), at the
-    target's size: the device size on a small slice, each production size on a
-    production one, traced at jax's default matmul precision as production traces it.
+    The forward and train step of one row per chip
+    (:func:`~conformance.runtime.aot.batch_rows`), at the target's size: the device size
+    on a small slice, each production size on a production one, traced at jax's default
+    matmul precision and, for a family with remat, rematerialised, as production trains.
     Nothing is allocated or run. The golden is kept per topology and libtpu version.
     """
     where = f"TPU {tpu.target.topology.name}, mesh {tpu.target.mesh.id}, size {case.size}"
+    step = case
+    if case.size != case.family.device_size and (remat := declared(case.family, Remat)):
+        step = case.with_config(remat.config(case.config))
     with traced_as_production() if tpu.target.production else contextlib.nullcontext():
-        return _compared(case, where, batch_rows(case))
+        return _compared(case, where, batch_rows(case), step)

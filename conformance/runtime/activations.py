@@ -122,6 +122,9 @@ class Call:
     constraints: tuple[str, ...] = ()
     """The sharding constraints traced directly inside it, sorted: ``8x32x64 to P(...)``
     (rendered on the constraint's own mesh, which may name other axes)."""
+    relaid: tuple[str, ...] = ()
+    """Values a rematerialised train step recomputes in another layout than its forward
+    gave them: ``output 0 also P(...)``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +167,7 @@ class _Probes:
         self.mesh = mesh
         self.calls: list[tuple[str, str]] = []
         self.returned: list[int] = []
-        self.seen: dict[tuple[int, str], dict[int, tuple[tuple[int, ...], Spec]]] = (
+        self.seen: dict[tuple[int, str], dict[int, tuple[tuple[int, ...], list[Spec]]]] = (
             collections.defaultdict(dict)
         )
 
@@ -195,7 +198,9 @@ class _Probes:
     def _seen(
         self, key: tuple[int, str], position: int, shape: tuple[int, ...], sharding: Any
     ) -> None:
-        self.seen[key][position] = (tuple(shape), _spec(sharding, self.mesh, len(shape)))
+        _, specs = self.seen[key].setdefault(position, (tuple(shape), []))
+        if (spec := _spec(sharding, self.mesh, len(shape))) not in specs:
+            specs.append(spec)
 
     def table(self, traced: jax.stages.Traced) -> Table:
         """The calls whose probes the compiler answered (a dropped trace's never are)."""
@@ -204,14 +209,28 @@ class _Probes:
         calls = tuple(
             Call(
                 *self.calls[i],
-                self.seen.get((i, "in"), {}),
-                self.seen.get((i, "out"), {}),
+                self._first((i, "in")),
+                self._first((i, "out")),
                 tuple(sorted(asked.get(i, ()))),
+                self._relaid(i),
             )
             for i in self.returned
             if (i, "in") in self.seen or (i, "out") in self.seen
         )
         return Table(calls, dict(self.mesh.shape), collectives(compiled.as_text()))
+
+    def _first(self, key: tuple[int, str]) -> dict[int, tuple[tuple[int, ...], Spec]]:
+        """Each probed value's shape and the layout the partitioner first gave it."""
+        return {p: (shape, specs[0]) for p, (shape, specs) in self.seen.get(key, {}).items()}
+
+    def _relaid(self, index: int) -> tuple[str, ...]:
+        """The other layouts a recomputation (``remat``) gave call ``index``'s values."""
+        return tuple(
+            f"{'input' if role == 'in' else 'output'} {position} also {spec_text(spec)}"
+            for role in ("out", "in")
+            for position, (_, specs) in sorted(self.seen.get((index, role), {}).items())
+            for spec in specs[1:]
+        )
 
     def _constraints(self, program: jcore.ClosedJaxpr) -> dict[int, list[str]]:
         """Call index -> the sharding constraints traced in its scope, not a child's."""
@@ -240,3 +259,18 @@ def activation_table(side: Side, rows: int = BATCH_SIZE) -> Table:
     context = runner.context(case.devices, abstract=True)
     batch = abstract_batch(case, rows)
     return probes.table(jax.jit(runner.intercepted(probes.around)).trace(params, context, batch))
+
+
+def step_table(side: Side, rows: int = BATCH_SIZE) -> Table:
+    """:func:`activation_table` of ``side``'s train step: its training forward's calls.
+
+    The step of an abstract batch of ``rows`` from an abstract train state, placed as the
+    side places it, compiled once with probes; the partitioner lays the forward's values
+    out knowing the backward pass that follows.
+    """
+    case = side.case
+    probes = _Probes(case.devices)
+    trainer = side.trainer()
+    shardings = case.shardings(trainer.logical)
+    step = trainer.step_fn_around(probes.around, trainer.tree(shardings))
+    return probes.table(step.trace(trainer.abstract(shardings), abstract_batch(case, rows)))

@@ -13,6 +13,7 @@ state sets aside.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,7 +24,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Backend, Batch, Family, VocabTiling, aux_losses, required
+from conformance.contract import Backend, Batch, Family
 from conformance.core.scope import scoped
 from conformance.core.seams import seam
 from conformance.core.sharding import Logical, nnx_logical
@@ -42,11 +43,9 @@ from conformance.runtime.backends import (
     nnx_runner,
     persistent_collections,
 )
+from conformance.runtime.calls import Around, linen_calls, nnx_calls
 from conformance.runtime.objective import (
-    accumulate,
     loss_inputs,
-    make_optimizer,
-    masked_token_loss,
     metrics,
     objective_of,
     refuse_accumulated_overwrite,
@@ -57,19 +56,10 @@ from conformance.runtime.train_state import (
     STREAMS_SEED,
     NnxTrainState,
     OverwriteWithGradient,
-    replicated,
     state_kind,
     step_streams,
 )
-
-
-def _tiled(family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> Any:
-    """``config`` with the family's vocab tiling, or unchanged for one tile."""
-    if vocab_tiles == 1:
-        return config
-    if micro_batches != 1:
-        raise ValueError("a vocab-tiled step takes the whole batch (one micro-batch)")
-    return required(family, VocabTiling).config(config, vocab_tiles)
+from conformance.runtime.trainer import TrainerBase
 
 
 def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -77,49 +67,7 @@ def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
-class _Trainer:
-    """What both backends' trainers share: seams, optimizer, the jitted step and gradient.
-
-    A backend's trainer builds its runner and train state and implements ``step`` and
-    ``aux_gradient`` (unjitted); both are jitted here, once per trainer (and per state
-    sharding). The loss and accumulation are the seams ``<backend>_loss`` and
-    ``<backend>_accumulate`` (:mod:`conformance.core.seams`), read when it is built.
-    """
-
-    backend: Backend
-
-    def __init__(self, family: Family, config: Any, micro_batches: int, vocab_tiles: int) -> None:
-        self.config = _tiled(family, config, micro_batches, vocab_tiles)
-        self.train_kwargs = dict(family.train_kwargs(self.config))
-        self.tiled = vocab_tiles > 1
-        self.micro_batches = micro_batches
-        self.tx = make_optimizer()
-        self.predicts = family.logits_predict
-        self.aux_names = aux_losses(family)
-        default_loss = functools.partial(masked_token_loss, predicts=self.predicts)
-        self.loss = seam(f"{self.backend}_loss", default_loss)
-        self.accumulate = seam(f"{self.backend}_accumulate", accumulate)
-        self._steps: dict[Any, Any] = {}
-
-    def step_fn(self, shardings: Any = None) -> Any:
-        """The jitted ``(state, batch) -> (state, metrics)``, cached per state sharding."""
-        leaves = None if shardings is None else tuple(jax.tree.leaves(shardings))
-        if leaves not in self._steps:
-            in_sh = out_sh = micro = None
-            if leaves is not None:
-                in_sh, out_sh = (shardings, None), (shardings, None)
-                micro = replicated(leaves[0].mesh)
-            bound = functools.partial(self.step, micro_sharding=micro)
-            self._steps[leaves] = jax.jit(bound, in_shardings=in_sh, out_shardings=out_sh)
-        return self._steps[leaves]
-
-    @functools.cached_property
-    def aux_gradient_fn(self) -> Any:
-        """The jitted :meth:`aux_gradient`, traced once per trainer."""
-        return jax.jit(self.aux_gradient)
-
-
-class LinenTrainer(_Trainer):
+class LinenTrainer(TrainerBase):
     """Linen train state (a nested dict) and its step, for one family config."""
 
     backend = Backend.LINEN
@@ -274,6 +222,15 @@ class LinenTrainer(_Trainer):
         }
         return new_state, metrics(loss_sum / count, grads, aux)
 
+    def _step_around(self, around: Around) -> Callable[..., Any]:
+        """:meth:`step` traced inside :func:`~conformance.runtime.calls.linen_calls`."""
+
+        def step(state: dict[str, Any], batch: Batch, micro_sharding: Any = None) -> Any:
+            with linen_calls(around):
+                return self.step(state, batch, micro_sharding)
+
+        return step
+
     def aux_gradient(self, state: dict[str, Any], batch: Batch) -> Any:
         """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.
 
@@ -297,7 +254,7 @@ def nnx_training_forward(
     )
 
 
-class NnxTrainer(_Trainer):
+class NnxTrainer(TrainerBase):
     """NNX train state (model + optimizer) and its step, for one family config.
 
     Beside the loss and accumulation, its forward and train-state class are the seams
@@ -396,6 +353,22 @@ class NnxTrainer(_Trainer):
         grads = jax.tree.map(lambda g: g / count, grads)
         train.optimizer.update(train.model, grads)
         return nnx.state(train, nnx.Not(nnx.RngState)), metrics(loss_sum / count, grads, aux)
+
+    def _step_around(self, around: Around) -> Callable[..., Any]:
+        """:meth:`step` of a copy of this trainer, its forward inside ``nnx_calls``.
+
+        The training forward of the copy runs the model inside
+        :func:`~conformance.runtime.calls.nnx_calls`; this trainer is left as it was.
+        """
+        forward = self.forward
+
+        def routed(model: nnx.Module, batch: Batch, train_kwargs: Mapping[str, Any]) -> Any:
+            with nnx_calls(model, around):
+                return forward(model, batch, train_kwargs)
+
+        probed = copy.copy(self)
+        probed.forward = routed
+        return probed.step
 
     def aux_gradient(self, state: nnx.State, batch: Batch) -> Any:
         """The gradient of the declared auxiliary losses alone, from ``state``'s parameters.

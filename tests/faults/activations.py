@@ -52,7 +52,7 @@ FAULTS = (
             "layers_0/attn (NNX layers/0/attn): Linen alone constrains 8x32x64 to "
             "P(('data', 'fsdp'), None, None) = 4x1x1 shards",
             "the compiled layouts agree on this mesh",
-            "collectives of the forward: Linen",
+            "forward: collectives: Linen",
             "likely cause: a partitioning change, not a numeric one",
         ),
         model_patch=(gpt3_nnx.Attention, "__call__", _attention_output_unconstrained),

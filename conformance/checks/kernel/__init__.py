@@ -18,8 +18,10 @@ that runs. By what it compares:
 """
 
 from conformance.checks.kernel.activations import (
+    PROGRAMS,
     ActivationDifference,
     ConstraintDifference,
+    Program,
     activation_differences,
     compare_tables,
     constraint_differences,
@@ -63,10 +65,12 @@ from conformance.checks.kernel.steps import (
 )
 
 __all__ = [
+    "PROGRAMS",
     "ActivationDifference",
     "ConstraintDifference",
     "DROPOUT_RATE",
     "STEPS",
+    "Program",
     "Rerun",
     "activation_differences",
     "agreed_specs",

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from conformance.contract import PathRules
-from conformance.runtime.activations import Call, Spec, Table, activation_table, render, spec_text
+from conformance.runtime.activations import (
+    Call,
+    Spec,
+    Table,
+    activation_table,
+    render,
+    spec_text,
+    step_table,
+)
 from conformance.runtime.case import BATCH_SIZE
 from conformance.runtime.diagnose.localise import module_pairs
 from conformance.runtime.precision import within
@@ -69,6 +77,8 @@ def golden_table(table: Table) -> dict[str, dict[str, list[str]]]:
             }
             if call.constraints:
                 found[key]["constrains"] = list(call.constraints)
+            if call.relaid:
+                found[key]["relaid"] = list(call.relaid)
     return found
 
 
@@ -132,7 +142,28 @@ def constraint_differences(
     ]
 
 
-def _differences(linen: Call, nnx_: Call, occurrence: int) -> list[ActivationDifference]:
+@dataclasses.dataclass(frozen=True)
+class RelaidDifference:
+    """A paired call whose values a rematerialised step recomputes in other layouts."""
+
+    linen: Call
+    nnx: Call
+    occurrence: int
+
+    def describe(self, mesh: Mapping[str, int]) -> str:
+        """The call, then the other layouts each side's recomputation gives its values."""
+        del mesh
+        module = self.linen.path or "(the top module)"
+        said = [
+            f"{name} recomputes {'; '.join(call.relaid) or 'nothing in another layout'}"
+            for name, call in (("Linen", self.linen), ("NNX", self.nnx))
+        ]
+        return f"{module} {self.linen.method}: " + ", ".join(said)
+
+
+def _differences(
+    linen: Call, nnx_: Call, occurrence: int
+) -> list[ActivationDifference | RelaidDifference]:
     found = []
     for role, mine, theirs in (
         ("output", linen.outputs, nnx_.outputs),
@@ -144,12 +175,16 @@ def _differences(linen: Call, nnx_: Call, occurrence: int) -> list[ActivationDif
                 found.append(
                     ActivationDifference(linen, nnx_, occurrence, role, position, shape, a, b)
                 )
+    if linen.relaid != nnx_.relaid:
+        found.append(RelaidDifference(linen, nnx_, occurrence))
     return found
 
 
-def compare_tables(
-    linen: Table, nnx_: Table, pairs: Mapping[str, str]
-) -> list[ActivationDifference]:
+Difference = ActivationDifference | RelaidDifference
+"""A value of a paired call laid out differently, or recomputed in other layouts."""
+
+
+def compare_tables(linen: Table, nnx_: Table, pairs: Mapping[str, str]) -> list[Difference]:
     """Every value of a paired call the two programs shard differently, in Linen's order.
 
     ``pairs`` maps Linen module paths to NNX ones (the top modules always pair). A
@@ -170,22 +205,40 @@ def compare_tables(
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A program whose activations are compared, and how a side's table of it is made."""
+
+    name: str
+    table: Callable[[Side, int], Table]
+    constraints: bool
+    """Whether the constraints each side asks for are compared too: in a forward they are
+    the model's own; a train step adds those each backend's autodiff transposes (NNX's
+    scan constrains cotangents Linen's does not), so only its layouts are compared."""
+
+
+PROGRAMS = (
+    Program("forward", activation_table, constraints=True),
+    Program("train_step", step_table, constraints=False),
+)
+"""The programs ``activation_sharding`` compares, in report order."""
+
+
 def activation_differences(
-    linen: Side, nnx_: Side, rules: PathRules, rows: int = BATCH_SIZE
-) -> tuple[list[ActivationDifference], list[ConstraintDifference], Table, Table]:
-    """Where the two sides' forwards lay out or constrain values differently.
+    linen: Side, nnx_: Side, rules: PathRules, program: Program, rows: int = BATCH_SIZE
+) -> tuple[list[Difference], list[ConstraintDifference], Table, Table]:
+    """Where the two sides' ``program`` lays out or constrains values.
 
     The values of :func:`compare_tables`, the modules of :func:`constraint_differences`.
-
-    Returns them with both sides' tables, of forwards of ``rows``. ``rules`` are the
+    Returns them with both sides' tables, of a batch of ``rows``. ``rules`` are the
     family's path rules, which pair modules holding no parameters.
     """
-    first, second = activation_table(linen, rows), activation_table(nnx_, rows)
+    first, second = program.table(linen, rows), program.table(nnx_, rows)
     pairs = module_pairs(
         linen.leaf_map().pairs(),
         rules,
         sorted({call.path for call in first.calls}),
         sorted({call.path for call in second.calls}),
     )
-    laid_out = compare_tables(first, second, pairs)
-    return laid_out, constraint_differences(first, second, pairs), first, second
+    asked = constraint_differences(first, second, pairs) if program.constraints else []
+    return compare_tables(first, second, pairs), asked, first, second
