@@ -35,7 +35,7 @@ from conformance.core.records import (
 )
 from conformance.core.scope import Scope
 from conformance.pytest_plugin.progress import covered
-from conformance.report import plots, render
+from conformance.report import plots, render, tables
 from conformance.report.model import (
     SCHEMA_PATH,
     RecordedTest,
@@ -324,3 +324,16 @@ def test_time_goes_to_each_area_and_nested_traces_count_once():
             "compiles": 0,
         },
     ]
+
+
+def test_the_activation_tables_give_a_row_per_program_and_one_per_call():
+    rows = [
+        ["layers/0/mlp __call__", "P('data', None)", "P(None, None)"],
+        ["(top) __call__", "P()", ""],
+    ]
+    test = {"family": "llama", "check": "activation_sharding", "case": "fsdp8-loop"}
+    report = {"tests": [test | {"layouts": [{"program": "forward", "rows": rows}]}]}
+    assert tables.layout_rows(report, calls=False)[1:] == [
+        ["llama", "fsdp8-loop", "forward", "2", "1"]
+    ]
+    assert tables.layout_rows(report, calls=True)[1] == ["llama", "fsdp8-loop", "forward", *rows[0]]

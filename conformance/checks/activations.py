@@ -22,10 +22,12 @@ from conformance.checks.kernel import (
     Program,
     activation_differences,
     golden_table,
+    layout_rows,
     paired,
 )
 from conformance.contract import Remat, declared
 from conformance.core.failure import fail_if_any
+from conformance.core.records import Layouts, emit
 from conformance.core.tpu import TpuCompile
 from conformance.runtime.aot import batch_rows, traced_as_production
 from conformance.runtime.case import BATCH_SIZE, Case
@@ -56,6 +58,7 @@ def _problems(program: Program, case: Case, rows: int) -> tuple[list[str], str, 
     rules = case.family.path_rules(case.bound)
     laid_out, asked, first, second = activation_differences(linen, nnx_, rules, program, rows)
     mesh = dict(second.mesh)
+    emit(Layouts(program.name, layout_rows(second, laid_out)))
     problems = [d.describe(mesh) for d in laid_out[:SHOWN]]
     if len(laid_out) > SHOWN:
         problems.append(f"... and {len(laid_out) - SHOWN} more value(s) laid out differently")

@@ -65,7 +65,16 @@ class Costs:
     sides: dict[str, dict[str, Any]]
 
 
-Record = Measurement | Costs
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+    """How one compiled program lays out each module call's values (activation table)."""
+
+    program: str
+    rows: tuple[tuple[str, str, str], ...]
+    """Per NNX call: ``(call, NNX's output layouts, Linen's where they differ, else "")``."""
+
+
+Record = Measurement | Costs | Layouts
 """What a check can leave behind for a report."""
 
 _SINK: contextvars.ContextVar[list[Record] | None] = contextvars.ContextVar(

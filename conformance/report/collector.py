@@ -25,6 +25,7 @@ from conformance.report.model import (
     ReportError,
     case_of,
     costs_json,
+    layouts_json,
     measurement_json,
     plain_nodeid,
 )
@@ -101,6 +102,9 @@ class ReportCollector:
             report.conformance_costs = [
                 costs_json(c) for c in found if isinstance(c, records.Costs)
             ]
+            report.conformance_layouts = [
+                layouts_json(t) for t in found if isinstance(t, records.Layouts)
+            ]
         return report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -120,6 +124,7 @@ class ReportCollector:
         record.duration_s += report.duration
         record.measurements += getattr(report, "conformance_measurements", [])
         record.costs += getattr(report, "conformance_costs", [])
+        record.layouts += getattr(report, "conformance_layouts", [])
         record.outcome, record.message = fold((record.outcome, record.message), report)
 
     @pytest.hookimpl(trylast=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from conformance.core.environment import library_versions
 from conformance.core.numerics import Mismatch, Tolerance
-from conformance.core.records import Costs, Measurement
+from conformance.core.records import Costs, Layouts, Measurement
 
 SCHEMA_ID = "conformance-report/1"
 """The ``schema`` field of every report; ``schema.json`` beside this module describes it."""
@@ -89,6 +89,11 @@ def costs_json(c: Costs) -> Json:
     return {"program": c.program, "sides": {name: dict(t) for name, t in c.sides.items()}}
 
 
+def layouts_json(layouts: Layouts) -> Json:
+    """One program's activation table (:class:`~conformance.core.records.Layouts`)."""
+    return {"program": layouts.program, "rows": [list(row) for row in layouts.rows]}
+
+
 AREA = "conformance_area"
 """The user property a suite test carries its check's area in (``training``, ...)."""
 SPENT = ("compiles", "compile_s", "trace_s")
@@ -109,6 +114,8 @@ class RecordedTest:
     message: str = ""
     measurements: list[Json] = dataclasses.field(default_factory=list)
     costs: list[Json] = dataclasses.field(default_factory=list)
+    layouts: list[Json] = dataclasses.field(default_factory=list)
+    """The activation tables its checks left (``activation_sharding``)."""
     area: str | None = None
     """Its check's area (:data:`AREA`); ``None`` for a test that is not a suite check's."""
     compiles: int = 0
@@ -323,61 +330,6 @@ def headroom(report: Mapping[str, Any]) -> dict[tuple[str, str], float]:
                 key = (t["family"], t["check"])
                 worst[key] = max(worst.get(key, 0.0), to_float(m["used"]))
     return worst
-
-
-COST_MEASURES = ("flops", "bytes_accessed", "argument_bytes", "temp_bytes")
-"""The measures a report's cost table shows per program, as NNX / Linen."""
-
-
-def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
-    """The cost table: per family, case and program, NNX's measures over Linen's.
-
-    Each cell is ``NNX value (ratio)``; the collectives column says whether both sides
-    run the same collectives (kind, count and bytes), else what NNX runs.
-    """
-    rows = [["family", "case", "program", *COST_MEASURES, "collectives"]]
-    for t in suite_tests(report):
-        for cost in t.get("costs", []):
-            linen, nnx_ = cost["sides"].get("linen"), cost["sides"].get("nnx")
-            if linen is None or nnx_ is None:
-                continue
-            cells = []
-            for measure in COST_MEASURES:
-                a, b = linen[measure], nnx_[measure]
-                cells.append(f"{b:,.0f} ({b / a:.3f}x)" if a else f"{b:,.0f}")
-            same = linen["collectives"] == nnx_["collectives"]
-            kinds = ", ".join(f"{k} x{v['count']}" for k, v in nnx_["collectives"].items())
-            collectives = ("same: " if same else "NNX: ") + (kinds or "none")
-            rows.append([t["family"], t["case"] or "", cost["program"], *cells, collectives])
-    return rows
-
-
-def memory_rows(report: Mapping[str, Any]) -> list[list[str]]:
-    """The TPU memory table: per family, case and program, each side's GiB per device.
-
-    Rows come from programs compiled for a TPU slice (``tpu_compile``), whose costs carry
-    each side's footprint per device and the chip's HBM; the last columns give NNX's
-    ratio to Linen and the larger side's share of the chip.
-    """
-    rows = [["family", "case", "program", "Linen GiB", "NNX GiB", "NNX / Linen", "% of HBM"]]
-    for t in suite_tests(report):
-        for cost in t.get("costs", []):
-            linen, nnx_ = cost["sides"].get("linen"), cost["sides"].get("nnx")
-            if linen is None or nnx_ is None or "footprint_bytes" not in linen:
-                continue
-            a, b, hbm = linen["footprint_bytes"], nnx_["footprint_bytes"], linen["hbm_bytes"]
-            rows.append(
-                [
-                    t["family"],
-                    t["case"] or "",
-                    cost["program"],
-                    f"{a / 2**30:.2f}",
-                    f"{b / 2**30:.2f}",
-                    f"{b / a:.3f}x" if a else "-",
-                    f"{max(a, b) / hbm:.0%}",
-                ]
-            )
-    return rows
 
 
 def upgrade_lines(report: Mapping[str, Any], limit: int = 12) -> list[str]:

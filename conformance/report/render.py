@@ -24,15 +24,14 @@ from conformance.report.model import (
     RecordedTest,
     bridged_sides,
     cells,
-    cost_rows,
     failures,
     headroom,
     matrix_rows,
-    memory_rows,
     merge,
     upgrade_lines,
     write_part,
 )
+from conformance.report.tables import cost_rows, layout_rows, memory_rows
 
 MARKDOWN_LIMIT = 1 << 20
 """GitHub's step summary holds at most 1 MiB; the Markdown report stays under it."""
@@ -99,6 +98,9 @@ def _time_rows(report: Json) -> list[list[str]]:
     ]
 
 
+_LAYOUTS = "Activation shardings (NNX's compiled layouts, Linen's where they differ)"
+
+
 def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
     """The matrix, headroom, cost table and a section per failure, under ``limit`` bytes."""
 
@@ -125,6 +127,9 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
         lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
     if len(memory := memory_rows(report)) > 1:
         lines += ["", "## Memory per device, compiled for TPU", "", *table(memory)]
+    if len(layouts := layout_rows(report, calls=False)) > 1:
+        lines += ["", "## Activation shardings (each call's layouts: the HTML page)", ""]
+        lines += table(layouts)
     if upgrade := upgrade_lines(report):
         lines += ["", "## Release upgrade", *upgrade]
     if spent := _time_rows(report):
@@ -196,6 +201,8 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
         parts += ["<h2>Compiled cost (NNX, and its ratio to Linen)</h2>", _html_table(costs)]
     if len(memory := memory_rows(report)) > 1:
         parts += ["<h2>Memory per device, compiled for TPU</h2>", _html_table(memory)]
+    if len(layouts := layout_rows(report, calls=True)) > 1:
+        parts += [f"<h2>{_LAYOUTS}</h2>", _html_table(layouts)]
     if upgrade := upgrade_lines(report):
         text = "\n".join(upgrade).strip()
         parts += ["<h2>Release upgrade</h2>", f"<pre>{html.escape(text)}</pre>"]

@@ -26,6 +26,7 @@ from conformance.checks.kernel.activations import (
     compare_tables,
     constraint_differences,
     golden_table,
+    layout_rows,
 )
 from conformance.checks.kernel.layouts import (
     agreed_specs,
@@ -83,6 +84,7 @@ __all__ = [
     "compared",
     "error_bound",
     "forward_attribution",
+    "layout_rows",
     "leaf_group",
     "leaf_table",
     "misplaced",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from conformance.contract import PathRules
 from conformance.runtime.activations import (
@@ -58,6 +58,27 @@ class ActivationDifference:
             f"{self.where()} [{shape}]: Linen {render(self.linen_spec, mesh)}, "
             f"NNX {render(self.nnx_spec, mesh)}"
         )
+
+
+def layout_rows(
+    table: Table, differences: Sequence[Difference]
+) -> tuple[tuple[str, str, str], ...]:
+    """NNX's ``table`` as report rows: ``(call, its output layouts, Linen's if they differ)``.
+
+    A call's later calls of one method add `` #2``, ... as in :func:`golden_table`.
+    """
+    apart = {(d.nnx.path, d.linen.method, d.occurrence): d.linen for d in differences}
+    rows = []
+    for (path, method), calls in table.by_call().items():
+        for occurrence, call in enumerate(calls):
+            key = f"{path or '(top)'} {method}" + (f" #{occurrence + 1}" if occurrence else "")
+            linen = apart.get((path, method, occurrence))
+            rows.append((key, _outputs(call), "" if linen is None else _outputs(linen)))
+    return tuple(rows)
+
+
+def _outputs(call: Call) -> str:
+    return ", ".join(spec_text(spec) for _, (_, spec) in sorted(call.outputs.items()))
 
 
 def golden_table(table: Table) -> dict[str, dict[str, list[str]]]:
