@@ -1,11 +1,12 @@
 """Activation shardings: what the partitioner makes of each module call's values, per side.
 
-Each side's forward is traced with every module method call routed through
-:mod:`conformance.runtime.calls`: the call's array inputs and outputs pass through a
-*probe*, an identity whose lowering is ``jax.debug.inspect_array_sharding``'s. When the
-program is compiled for the side's mesh, XLA's partitioner reports the sharding it chose
-for each probed value, after propagation, exactly as it does for that function; nothing
-runs, and the mesh may be a TPU slice this host only compiles for.
+Each side's forward (:func:`activation_table`) or train step (:func:`step_table`) is
+traced with every module method call routed through :mod:`conformance.runtime.calls`:
+the call's array inputs and outputs pass through a *probe*, an identity whose lowering
+is ``jax.debug.inspect_array_sharding``'s. When the program is compiled for the side's
+mesh, XLA's partitioner reports the sharding it chose for each probed value, after
+propagation, exactly as it does for that function; nothing runs, and the mesh may be a
+TPU slice this host only compiles for.
 
 The probe is a pure identity where ``inspect_array_sharding`` is an effect: a body that a
 transform traces only to drop it (Linen's ``nn.scan`` traces its body once to find what
