@@ -110,12 +110,13 @@ def check_activation_sharding(case: Case) -> dict[str, Any]:
 
     Each side's forward and train step are compiled for the case's mesh with probes
     (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
-    The sharding constraints each paired module asks for must agree too, over its
-    subtree (:func:`~conformance.checks.kernel.constraint_differences`). A failure names
-    the first values, in Linen's call order, whose sharding differs, with both specs and
-    the shards they split each dimension in, the modules that constrain differently,
-    and both programs' collectives. Returns NNX's call-by-call table as the golden (kept
-    per platform, XLA level and mesh: the partitioner decides it).
+    In the forward, the sharding constraints each paired module asks for must agree
+    too, over its subtree (:func:`~conformance.checks.kernel.constraint_differences`;
+    a step adds what each backend's autodiff transposes). A failure names the first
+    values, in Linen's call order, whose sharding differs, with both specs and the
+    shards they split each dimension in, the modules that constrain differently, and
+    both programs' collectives. Returns NNX's call-by-call tables of both programs as
+    the golden (kept per platform, XLA level and mesh: the partitioner decides it).
     """
     return _compared(case, f"mesh {case.mesh}")
 
