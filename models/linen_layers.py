@@ -19,7 +19,12 @@ from conformance_models.config import TransformerConfig
 
 
 def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -> jax.Array:
-    """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``)."""
+    """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``).
+
+    A dimension the mesh axes do not split evenly is left unconstrained
+    (:func:`conformance_models.common.divisible_names`).
+    """
+    names = common.divisible_names(x.shape, names, config)
     return nn.with_logical_constraint(x, names, rules=config.rules, mesh=config.mesh)
 
 

@@ -23,11 +23,13 @@ from conformance_models.config import TransformerConfig
 def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -> jax.Array:
     """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``).
 
-    A name without a rule leaves its dimension unconstrained-replicated, as in Linen.
+    A name without a rule leaves its dimension replicated, as in Linen; a dimension the
+    mesh axes do not split evenly is left unconstrained
+    (:func:`conformance_models.common.divisible_names`).
     """
     if config.mesh is None:
         return x
-    spec = nn.logical_to_mesh_axes(names, config.rules)
+    spec = nn.logical_to_mesh_axes(common.divisible_names(x.shape, names, config), config.rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
 
 
