@@ -27,6 +27,12 @@ from conformance.runtime.precision import within
 from conformance.runtime.sides import Side
 
 
+def _paired(linen: str, nnx_: str) -> str:
+    """``layers_0/attn (NNX layers/0/attn)``: a Linen module and, where it differs, NNX's."""
+    module = linen or "(the top module)"
+    return module if nnx_ == linen else f"{module} (NNX {nnx_ or 'top module'})"
+
+
 @dataclasses.dataclass(frozen=True)
 class ActivationDifference:
     """One value of a paired module call that the two sides' programs shard differently."""
@@ -45,9 +51,7 @@ class ActivationDifference:
 
     def where(self) -> str:
         """``layers_0/attn (NNX layers/0/attn) __call__ output 0``."""
-        module = self.linen.path or "(the top module)"
-        if self.nnx.path != self.linen.path:
-            module += f" (NNX {self.nnx.path or 'top module'})"
+        module = _paired(self.linen.path, self.nnx.path)
         again = f" (call {self.occurrence + 1})" if self.occurrence else ""
         return f"{module} {self.linen.method}{again} {self.role} {self.position}"
 
@@ -116,9 +120,7 @@ class ConstraintDifference:
 
     def describe(self) -> str:
         """The module, then what one side constrains there and the other not."""
-        module = self.linen_module or "(the top module)"
-        if self.nnx_module != self.linen_module:
-            module += f" (NNX {self.nnx_module or 'top module'})"
+        module = _paired(self.linen_module, self.nnx_module)
         said = [
             f"{name} alone constrains {' and '.join(extra)}"
             for name, extra in (("Linen", self.linen), ("NNX", self.nnx))
