@@ -7,6 +7,7 @@ import pytest
 
 from conformance.core import programs, scope
 from conformance.core.scope import Scope
+from conformance.runtime import activations
 
 
 def _twin_jits():
@@ -89,6 +90,39 @@ def test_a_program_with_a_host_callback_is_never_shared():
         assert programs.COUNTS.compiled - compiled == 1
         assert programs.COUNTS.reused == reused
     assert len(seen) == 2
+
+
+_SEEN = []
+
+
+def _seen(sharding):
+    _SEEN.append(sharding)
+
+
+def _inspecting():
+    """A new function of ``x + 1`` asking the partitioner for ``x``'s sharding.
+
+    Each is the same program, down to its callback: the harness's probe, bound to one
+    function (``jax.debug.inspect_array_sharding`` wraps its callback anew each time).
+    """
+
+    def inspected(x):
+        return activations._probe_p.bind(x, callback=_seen) + 1
+
+    return inspected
+
+
+def test_a_program_that_inspects_a_sharding_is_compiled_each_time_it_is_needed():
+    assert programs.install()
+    x = _over_the_mesh(jnp.arange(8.0))
+    _SEEN.clear()
+    with Scope():
+        compiled, reused = programs.COUNTS.compiled, programs.COUNTS.reused
+        jax.jit(_inspecting()).lower(x).compile()
+        jax.jit(_inspecting()).lower(x).compile()
+        assert programs.COUNTS.compiled - compiled == 2
+        assert programs.COUNTS.reused == reused
+    assert len(_SEEN) == 2, "the partitioner answered both compiles"
 
 
 def test_the_summary_counts_distinct_programs():
@@ -191,3 +225,13 @@ def test_a_compile_that_failed_is_repeated_by_the_others_so_each_reports_it(monk
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     with pytest.raises(ValueError, match="cannot compile"):
         shared(fails)
+
+
+def test_a_program_that_inspects_a_sharding_is_compiled_by_every_process(monkeypatch):
+    module = jax.jit(_inspecting()).lower(_over_the_mesh(jnp.arange(8.0))).compiler_ir()
+    _, store = _sharing(monkeypatch, process=1)
+    monkeypatch.setattr(programs, "_key", lambda *args: "program")
+    store.values["conformance/programs/program"] = programs.zlib.compress(b"executable")
+    compile_or_reuse = programs._deduplicating(lambda *args: "compiled here")
+    assert compile_or_reuse(_Backend(), module, TWO_PROCESSES, None, (), None) == "compiled here"
+    assert programs.COUNTS.received == 0

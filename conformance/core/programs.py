@@ -17,8 +17,11 @@ the checks' one-device references), and each holds only a few memory mappings.
 
 jax has no public hook for this: :func:`install` wraps the function jax 0.12 compiles
 every program through (``jax._src.compiler.compile_or_get_cached``), after checking its
-signature, and says so in :func:`summary`. Programs with host callbacks are not shared
-(their callbacks are bound when they are compiled).
+signature, and says so in :func:`summary`. Programs with host callbacks, or that inspect
+a sharding (the custom call of ``jax.debug.inspect_array_sharding``, which the partitioner
+answers while it compiles), are compiled every time and where they are needed: their
+callbacks are bound, or called, by that compile, and a program another process compiled
+never calls this one's.
 
 In a multi-controller run every process compiles the same programs. After
 :func:`share_between_processes`, a program whose devices span processes is compiled by
@@ -87,19 +90,30 @@ _SHARING: dict[str, Any] = {}
 """``{"client": jax's distributed client, "timeout_ms": int}`` once sharing is on."""
 _FAILED = b""
 """What the compiling process publishes for a program it could not compile."""
+_INSPECTS = b"InspectSharding"
+"""The custom call a sharding inspection lowers to, as it appears in a program's bytecode."""
 
 
-def _key(backend: Any, computation: Any, devices: Any, options: Any) -> str:
+def _canonical(computation: Any) -> bytes:
+    """The program as jax's cache key reads it: its bytecode, debug locations stripped."""
+    from jax._src import cache_key, config
+
+    if config.compilation_cache_include_metadata_in_key.value:
+        return cache_key._serialize_ir(computation, False)
+    return cache_key._canonicalize_ir(computation, False)
+
+
+def _key(backend: Any, canonical: bytes, devices: Any, options: Any) -> str:
     """A program's cache key as jax computes it, but the same in every process.
 
     jax's key hashes the devices' topology, whose fingerprint differs between the
     processes of a CPU run (jax 0.12); this one hashes the devices' global ids instead,
     so that a multi-controller run can name a program it shares between processes.
+    ``canonical`` is the program's :func:`_canonical` bytes.
     """
     from jax._src import cache_key
 
-    digest = hashlib.sha256()
-    cache_key._hash_computation(digest, computation, False)
+    digest = hashlib.sha256(canonical)
     cache_key._hash_platform(digest, backend)
     cache_key._hash_xla_flags(digest, cache_key.get_flag_prefixes())
     cache_key._hash_serialized_compile_options(digest, options)
@@ -123,9 +137,10 @@ def _deduplicating(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
         pgle_profiler: Any = None,
     ) -> Any:
         args = (backend, computation, devices, compile_options, host_callbacks)
-        key = _key(backend, computation, devices, compile_options)
+        canonical = _canonical(computation)
+        key = _key(backend, canonical, devices, compile_options)
         COUNTS.distinct.add(key)
-        if host_callbacks:
+        if host_callbacks or _INSPECTS in canonical:
             COUNTS.compiled += 1
             return compile_fn(*args, executable_devices, pgle_profiler)
         if (live := _LIVE.get(key)) is not None:
