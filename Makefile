@@ -112,11 +112,9 @@ test: $(STAMP)
 
 ## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU
 ## devices each, joined by jax.distributed (see docs/multihost.md).
-## Not activation_sharding: its probes carry process-local callbacks, so the two processes
-## compile different programs and wait on each other (286-304 s a test, then the timeout).
 multihost: $(STAMP)
 	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
-	  --tier smoke -k 'not activation_sharding' $(REPORT_ARG) $(ARGS)
+	  --tier smoke $(REPORT_ARG) $(ARGS)
 
 ## The MaxText families alone, in the venv of maxtext $(MAXTEXT) (the default run skips
 ## them there). Named families that cannot run here (maxtext missing or of a release the
