@@ -1,6 +1,11 @@
 """Activation tables compared: values laid out differently, constraints asked differently."""
 
-from conformance.checks.kernel import compare_tables, constraint_differences, golden_table
+from conformance.checks.kernel import (
+    compare_tables,
+    constraint_differences,
+    golden_table,
+    unanswered,
+)
 from conformance.runtime.activations import Call, Table, render
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -70,3 +75,14 @@ def test_a_value_recomputed_in_another_layout_on_one_side_is_named():
         "mlp __call__: Linen recomputes output 0 also P(None, None, None), "
         "NNX recomputes nothing in another layout"
     )
+
+
+def test_a_side_whose_probes_went_unanswered_is_named_not_compared_as_equal():
+    answered = Table((_call(""), _call("mlp")), MESH, {}, traced=2)
+    silent = Table((), MESH, {}, traced=2)
+    assert compare_tables(answered, silent, {"mlp": "mlp"}) == []
+    (found,) = unanswered(answered, silent)
+    assert found.startswith("NNX: the partitioner answered none of the probes of its 2 module")
+    assert "persistent compilation cache" in found
+    assert unanswered(answered, answered) == []
+    assert unanswered(_table(), _table()) == [], "a table of no traced call is not a silence"

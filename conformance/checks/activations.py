@@ -24,6 +24,7 @@ from conformance.checks.kernel import (
     golden_table,
     layout_rows,
     paired,
+    unanswered,
 )
 from conformance.contract import Remat, declared
 from conformance.core.failure import fail_if_any
@@ -59,7 +60,8 @@ def _problems(program: Program, case: Case, rows: int) -> tuple[list[str], str, 
     laid_out, asked, first, second = activation_differences(linen, nnx_, rules, program, rows)
     mesh = dict(second.mesh)
     emit(Layouts(program.name, layout_rows(second, laid_out)))
-    problems = [d.describe(mesh) for d in laid_out[:SHOWN]]
+    problems = unanswered(first, second)
+    problems += [d.describe(mesh) for d in laid_out[:SHOWN]]
     if len(laid_out) > SHOWN:
         problems.append(f"... and {len(laid_out) - SHOWN} more value(s) laid out differently")
     problems += [d.describe() for d in asked[:SHOWN]]

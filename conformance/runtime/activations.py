@@ -138,6 +138,8 @@ class Table:
     """The mesh's axis sizes, by name."""
     collectives: Mapping[str, tuple[int, int]]
     """The compiled forward's collectives: ``{kind: (count, bytes produced)}``."""
+    traced: int = 0
+    """Module calls traced with probes, answered or not (a dropped trace's never are)."""
 
     def by_call(self) -> dict[tuple[str, str], list[Call]]:
         """``(path, method)`` -> its calls in order (a module called twice has two)."""
@@ -218,7 +220,8 @@ class _Probes:
             for i in self.returned
             if (i, "in") in self.seen or (i, "out") in self.seen
         )
-        return Table(calls, dict(self.mesh.shape), collectives(compiled.as_text()))
+        found = collectives(compiled.as_text())
+        return Table(calls, dict(self.mesh.shape), found, traced=len(self.returned))
 
     def _first(self, key: tuple[int, str]) -> dict[int, tuple[tuple[int, ...], Spec]]:
         """Each probed value's shape and the layout the partitioner first gave it."""

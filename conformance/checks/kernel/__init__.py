@@ -27,6 +27,7 @@ from conformance.checks.kernel.activations import (
     constraint_differences,
     golden_table,
     layout_rows,
+    unanswered,
 )
 from conformance.checks.kernel.layouts import (
     agreed_specs,
@@ -104,5 +105,6 @@ __all__ = [
     "train_pair",
     "train_step_parity",
     "train_steps",
+    "unanswered",
     "within_spread",
 ]

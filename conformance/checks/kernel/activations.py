@@ -228,6 +228,21 @@ def compare_tables(linen: Table, nnx_: Table, pairs: Mapping[str, str]) -> list[
     return found
 
 
+def unanswered(linen: Table, nnx_: Table) -> list[str]:
+    """Each side whose compile answered none of its probes, in words; ``[]`` if both did.
+
+    Such a table compares equal to anything: its executable did not come from a compile
+    that partitioned it (a persistent compilation cache reads executables back).
+    """
+    return [
+        f"{name}: the partitioner answered none of the probes of its {table.traced} module "
+        "call(s), so nothing of it was compared (was its executable read back from a "
+        "persistent compilation cache instead of compiled?)"
+        for name, table in (("Linen", linen), ("NNX", nnx_))
+        if table.traced and not table.calls
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A program whose activations are compared, and how a side's table of it is made."""
