@@ -31,8 +31,9 @@ def run_check(
     references: Path | None = None,
     scan_layers: bool | None = None,
     tpu: TpuCompile | None = None,
+    dtype: Any = jnp.float32,
 ) -> Any:
-    """Run check ``name`` on ``family`` through the registry, on ``mesh``, float32.
+    """Run check ``name`` on ``family`` through the registry, on ``mesh``, in ``dtype``.
 
     A check against a recorded reference reads it from ``references`` (default: the
     repository's), recorded from Linen unless ``params`` say otherwise; a TPU compile
@@ -44,7 +45,7 @@ def run_check(
         "family": family,
         "size": size,
         "scan_layers": params.get("layouts", (scan_layers,))[0] or False,
-        "dtype": jnp.float32,
+        "dtype": dtype,
         "quant": quant,
         "mesh": mesh,
         "topology": TOPOLOGY,
@@ -70,9 +71,11 @@ def facets(
     params: Mapping[str, Any] | None = None,
     *,
     tpu_production: bool = False,
+    dtype: Any = jnp.float32,
 ) -> dict[str, object]:
     """What a tier narrows the test that would run such a check by."""
     layouts = tuple(bool(s) for s in (params or {}).get("layouts", (0, 0)))
-    found = {"mesh": mesh, "scan_layers": False, "dtype": "f32", "layouts": layouts}
+    dtype_id = "f32" if dtype == jnp.float32 else "bf16"
+    found = {"mesh": mesh, "scan_layers": False, "dtype": dtype_id, "layouts": layouts}
     found["tpu_production"] = tpu_production
     return found | ({"quant": quant} if quant else {})

@@ -9,7 +9,7 @@ from conformance.core.numerics import (
     compare_trees,
     tolerance_for,
 )
-from conformance.core.rounding import nudge_covered, one_ulp_nudge
+from conformance.core.rounding import nudge_covered, one_ulp_nudge, within_rounding
 
 
 def test_equal_arrays_agree():
@@ -170,3 +170,32 @@ def test_one_ulp_nudge_moves_every_float_element_one_step(dtype):
     assert np.all((nudged["w"] == steps[0]) | (nudged["w"] == steps[1]))
     assert np.all(nudged["w"] != original)
     np.testing.assert_array_equal(nudged["count"], np.arange(3))
+
+
+def _bfloat16_twins():
+    """A float32 result and two bfloat16 computations of it that round differently."""
+    exact = np.random.default_rng(0).normal(size=(8, 256)).astype(np.float32)
+    rounded = np.asarray(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32))
+    again = np.array(jnp.asarray(exact * (1 + 5e-4), jnp.bfloat16).astype(jnp.float32))
+    return exact, rounded, again
+
+
+def test_within_rounding_accepts_another_rounding_of_the_same_values():
+    exact, rounded, again = _bfloat16_twins()
+    verdict = within_rounding(rounded, again, exact)
+    assert verdict.accepted, verdict.text
+    assert verdict.text.endswith("rounding, accepted")
+
+
+def test_within_rounding_refuses_what_moves_farther_than_rounding():
+    exact, rounded, _ = _bfloat16_twins()
+    verdict = within_rounding(rounded, rounded * 1.05, exact)
+    assert not verdict.accepted
+    assert "farther than rounding moves it" in verdict.text
+    assert "2x the reference's own" in verdict.text
+
+
+def test_within_rounding_refuses_a_non_finite_value():
+    exact, rounded, again = _bfloat16_twins()
+    again[0, 0] = np.nan
+    assert not within_rounding(rounded, again, exact).accepted

@@ -248,3 +248,31 @@ def rounding_verdict(
             f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: {listed}",
         )
     return RoundingVerdict(True, f"{figures}: float rounding carried by quantization, accepted")
+
+
+LOW_PRECISION_FACTOR = 2.0
+"""How many times a low-precision reference computation's distance from its float32 twin
+(relative L2) another low-precision computation of the same values may be from it: two
+computations that each round that far differ by up to about twice as much."""
+
+
+def within_rounding(expected: Any, actual: Any, twin: Any) -> RoundingVerdict:
+    """Whether low-precision ``actual`` is as close to ``expected`` as rounding leaves it.
+
+    ``expected`` is the reference computation in the low precision (bfloat16), ``twin``
+    the same computation in float32. Accepted when both are finite and ``actual`` is at
+    most :data:`LOW_PRECISION_FACTOR` times ``expected``'s own distance from ``twin``
+    away from ``expected`` (relative L2): a computation that is wrong moves farther than
+    rounding does, one that rounds in another order does not.
+    """
+    if not (np.isfinite(host_array(expected)).all() and np.isfinite(host_array(actual)).all()):
+        return RoundingVerdict(False, "not finite, so not rounding")
+    apart, rounding = relative_l2(actual, expected), relative_l2(expected, twin)
+    bound = LOW_PRECISION_FACTOR * rounding
+    figures = (
+        f"{apart:.3e} apart (relative L2); the bound is {bound:.3e}, "
+        f"{LOW_PRECISION_FACTOR:g}x the reference's own {rounding:.3e} from its float32 twin"
+    )
+    if apart > bound:
+        return RoundingVerdict(False, f"{figures}: farther than rounding moves it")
+    return RoundingVerdict(True, f"{figures}: rounding, accepted")

@@ -47,12 +47,18 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
     ("train_step", None),
     ("bf16_train_step", None),
     ("decode", None),
+    ("decode_consistency", None),
     ("quant_forward", "ptq_int8"),
     ("quant_forward", "qat_int8"),
     ("qat_train_step", "qat_int8"),
 )
 """``(check, quantization mode)`` a llama variant must pass: activation shardings,
-precision, float (bfloat16 training too), decode and Qwix."""
+precision, float (bfloat16 training too), decode (bfloat16 self-consistency too) and
+Qwix."""
+
+IN_BFLOAT16 = frozenset({"decode_consistency"})
+"""Checks a variant runs in bfloat16 compute, not float32: the suite runs them in both on
+the unchanged models, and the variants' float32 numbers are covered by ``forward``."""
 
 
 _FUSED_PTQ = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from conformance.runtime.generation import decode_positions
@@ -79,7 +81,7 @@ class ToyLmPredictsNext(ToyLm):
     logits_predict = "next"
 
 
-FAULTS = (
+_FLOAT32 = (
     Fault(
         ToyLm(),
         "decode_consistency",
@@ -151,3 +153,19 @@ FAULTS = (
         model_patch=(nnx_layers.KVCache, "init", _bfloat16_cache),
     ),
 )
+
+
+FAULTS = (
+    *_FLOAT32,
+    *(
+        dataclasses.replace(
+            fault,
+            dtype=jnp.bfloat16,
+            expect=(*fault.expect, "bfloat16 rounding:", "farther than rounding moves it"),
+        )
+        for fault in _FLOAT32
+        if fault.check == "decode_consistency" and isinstance(fault.family, Llama)
+    ),
+)
+"""The serving faults; llama's ``decode_consistency`` ones again in bfloat16 compute,
+where each must fail beyond rounding."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+import jax.numpy as jnp
 from flax import nnx
 
 from conformance.core.sharding import MeshSpec
@@ -54,6 +55,8 @@ class Fault:
     ``layouts`` parameter says)."""
     mesh_axes: tuple[str, ...] = ()
     """Mesh axes the fault needs at size 2 or more to show (a partitioning fault)."""
+    dtype: Any = jnp.float32
+    """The compute dtype the check runs in, for a check with a ``dtype`` axis."""
     scenario: Callable[..., None] | None = None
     """Run instead of the check: ``scenario(fault, workdir)`` (a fault in what a check is
     handed, such as another model's checkpoint, rather than in the family)."""
@@ -76,6 +79,7 @@ class Fault:
             params=self.params,
             scan_layers=self.scan_layers,
             tpu=tpu,
+            dtype=self.dtype,
         )
 
     @property
@@ -85,16 +89,20 @@ class Fault:
 
     @property
     def id(self) -> str:
-        """Test id: the check and the fault's class name, or what was replaced."""
+        """Test id: the check and the fault's class name, or what was replaced.
+
+        A fault planted below float32 compute ends in its dtype (``@bfloat16``).
+        """
+        dtype = "" if self.dtype == jnp.float32 else f"@{jnp.dtype(self.dtype).name}"
         if self.seams:
             planted = ",".join(f"{k}={v.__name__.lstrip('_')}" for k, v in self.seams.items())
-            return f"{self.check}:{planted}"
+            return f"{self.check}:{planted}{dtype}"
         if self.model_patch is not None:
             owner, name, replacement = self.model_patch
             where = owner.__name__.rsplit(".", 1)[-1]
-            return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}"
+            return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}{dtype}"
         scale = f"@{self.size}" if self.production else ""
-        return f"{self.check}:{type(self.family).__name__}{scale}"
+        return f"{self.check}:{type(self.family).__name__}{scale}{dtype}"
 
 
 class NnxConfigFault:

@@ -45,14 +45,19 @@ def compared(
     figure: str = "",
     series: str = "",
     x: str = "",
+    judge: Callable[[Mismatch], bool] | None = None,
 ) -> Mismatch | None:
     """Two sides' logits compared under the policy (or ``tolerance``), and measured.
 
     The comparison every logits check makes: :func:`~conformance.core.numerics.compare_arrays`
     of the leaf ``logits``, emitted as a measurement titled ``title`` (at ``x`` of line
-    ``series`` in plot ``figure``) for the report. Returns the mismatch, if any.
+    ``series`` in plot ``figure``) for the report. A mismatch that ``judge`` accepts (a
+    low-precision one within rounding) is measured and returned as agreeing. Returns the
+    mismatch, if any.
     """
     found = compare_arrays("logits", first, second, tolerance)
+    if found is not None and judge is not None and judge(found):
+        found = None
     plot = {"figure": figure, "series": series, "x": x}
     emit_verdict(title, "logits", first, second, found, names=names, tolerance=tolerance, **plot)
     return found
