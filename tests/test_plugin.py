@@ -1,12 +1,16 @@
 """The plugin's promises, checked by running pytest on a throwaway project."""
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 
+from conformance.core.sharding import parse_mesh
 from conformance.pytest_plugin.goldens import unused_goldens
 from conformance.pytest_plugin.options import expand
+from conformance.pytest_plugin.tiers import get_tier
+from conformance_models.gpt3.family import Gpt3Family
 
 GOLDEN_TEST = """
 import json
@@ -464,3 +468,17 @@ def test_progress_lines_and_the_matrix_count_outcomes_as_pytest_does(pytester):
             "tidy*0/1 (1e)",
         ]
     )
+
+
+def test_the_default_tier_runs_bfloat16_on_its_primary_mesh_only():
+    family = Gpt3Family()
+    primary, other = parse_mesh("data=2,fsdp=2,tensor=2"), parse_mesh("fsdp=8")
+    default, full = get_tier("default"), get_tier("full")
+    assert default.leaves_out(family, {"mesh": primary, "dtype": "bf16"}) == ""
+    assert default.leaves_out(family, {"mesh": other, "dtype": "f32"}) == ""
+    assert default.leaves_out(family, {"mesh": other, "dtype": "bf16"}) == (
+        "dtype bf16 on mesh fsdp8 (only on the primary mesh, data2-fsdp2-tensor2)"
+    )
+    assert full.leaves_out(family, {"mesh": other, "dtype": "bf16"}) == ""
+    given = dataclasses.replace(default, meshes=None)
+    assert given.leaves_out(family, {"mesh": other, "dtype": "bf16"}) == "", "--mesh keeps all"

@@ -92,7 +92,9 @@ class Settings:
         kept = [
             f"meshes {', '.join(m.id for m in self.run_meshes)}",
             "one layer layout per family" if tier.one_layout else "every layer layout",
-            "dtypes " + ", ".join(tier.dtypes or DTYPES),
+            "dtypes "
+            + ", ".join(tier.dtypes or DTYPES)
+            + (" (below f32 on the primary mesh only)" if tier.low_precision_on_primary else ""),
             "one quantization mode per method" if tier.one_mode_per_method else "every mode",
             "expected failures run" if tier.expected_failures else "expected failures left out",
         ]

@@ -9,8 +9,8 @@ never reports another tier's goldens as unused.
   quantization mode per method, the same-layout checkpoint conversion, TPU compiles at
   the device size only; every check at least once per family.
 * ``default``: what CI gates on. Both default meshes (the multi-axis one first, then
-  ``fsdp=8``), both layer layouts, float32 and bfloat16, one quantization mode per
-  method, every checkpoint conversion.
+  ``fsdp=8``), both layer layouts, float32 and bfloat16 (bfloat16 on the primary mesh),
+  one quantization mode per method, every checkpoint conversion.
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -54,6 +54,8 @@ class Tier:
     """Keep tests marked as expected to fail."""
     tpu_production: bool = True
     """Keep the TPU compiles at production sizes (``--tpu ...@production``)."""
+    low_precision_on_primary: bool = False
+    """Keep dtypes below float32 on the primary mesh (the first of ``meshes``) only."""
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -82,6 +84,9 @@ class Tier:
         dtype = facets.get("dtype")
         if dtype and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype}"
+        primary = self.meshes[0] if self.meshes and self.low_precision_on_primary else None
+        if primary and dtype not in (None, "f32") and mesh is not None and mesh.id != primary:
+            return f"dtype {dtype} on mesh {mesh.id} (only on the primary mesh, {primary})"
         quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"
@@ -128,6 +133,7 @@ TIERS: dict[str, Tier] = {
             one_mode_per_method=True,
             same_layout_conversions=False,
             expected_failures=False,
+            low_precision_on_primary=True,
         ),
         Tier(
             "full",
