@@ -14,6 +14,7 @@ from conformance.contract import Family
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
 from conformance.core.tpu import TpuCompile
+from conformance.pytest_plugin.session import DTYPES
 from conformance_models import GOLDENS
 
 TOPOLOGY = parse_mesh("4x8x8")
@@ -75,7 +76,7 @@ def facets(
 ) -> dict[str, object]:
     """What a tier narrows the test that would run such a check by."""
     layouts = tuple(bool(s) for s in (params or {}).get("layouts", (0, 0)))
-    dtype_id = "f32" if dtype == jnp.float32 else "bf16"
+    dtype_id = next(name for name, known in DTYPES.items() if known == dtype)
     found = {"mesh": mesh, "scan_layers": False, "dtype": dtype_id, "layouts": layouts}
     found["tpu_production"] = tpu_production
     return found | ({"quant": quant} if quant else {})

@@ -192,13 +192,14 @@ def check_decode_consistency(case: Case) -> None:
         plot["figure"] = f"decode_consistency: error per stage against the forward, mesh {mesh.id}"
         stages = _forward_stages(served.forward_logits, gen)
         twins = functools.cache(functools.partial(_float32_forward, case, index, served))
-        actual = [prompt_only(gen.prefill_logits, gen.lengths), *gen.step_logits]
+        actual = _stages(gen, DECODE_STEPS).values()
         for stage, (expected, got) in enumerate(zip(stages, actual, strict=True)):
             verdicts: list[RoundingVerdict] = []
+            judge = None
             if case.dtype != jnp.float32:
-                plot["judge"] = functools.partial(_rounding, verdicts, expected, got, twins, stage)
+                judge = functools.partial(_rounding, verdicts, expected, got, twins, stage)
             x = "prefill" if stage == 0 else f"step {stage - 1}"
-            found = compared(f"{side} {x}", expected, got, x=x, **plot)
+            found = compared(f"{side} {x}", expected, got, x=x, judge=judge, **plot)
             if found is None:
                 continue
             if stage == 0:
