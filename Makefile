@@ -112,9 +112,12 @@ test: $(STAMP)
 
 ## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU
 ## devices each, joined by jax.distributed (see docs/multihost.md).
+## MULTIHOST_CHECKS narrows it, as a pytest -k expression (CI's per-change run does).
+MULTIHOST_CHECKS ?=
+
 multihost: $(STAMP)
 	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
-	  --tier smoke $(REPORT_ARG) $(ARGS)
+	  --tier smoke $(if $(MULTIHOST_CHECKS),-k '$(MULTIHOST_CHECKS)') $(REPORT_ARG) $(ARGS)
 
 ## The MaxText families alone, in the venv of maxtext $(MAXTEXT) (the default run skips
 ## them there). Named families that cannot run here (maxtext missing or of a release the
