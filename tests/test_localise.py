@@ -1,5 +1,14 @@
+import ml_dtypes
+import numpy as np
+
 from conformance.contract import Split
-from conformance.runtime.diagnose.localise import module_pairs
+from conformance.runtime.diagnose.localise import (
+    Call,
+    Divergence,
+    Recorder,
+    first_divergence,
+    module_pairs,
+)
 
 RULES = ((r"^layers_(\d+)/", r"layers/\1/"),)
 LEAVES = tuple(
@@ -41,3 +50,38 @@ def test_a_split_leaf_pairs_its_module_with_the_module_holding_every_slice():
 def test_a_wrapper_and_its_one_child_leave_the_child_paired_with_its_namesake():
     leaves = [("attn/q/kernel", "attn/q/kernel")]
     assert module_pairs(leaves, (), ["attn", "attn/q"], ["attn", "attn/q"]) == {"attn/q": "attn/q"}
+
+
+def _recorded(calls: dict[str, tuple[list[np.ndarray], list[np.ndarray]]]) -> Recorder:
+    """A recorder holding one ``__call__`` per module, in the order given."""
+    recorder = Recorder(None)
+    for order, (path, (inputs, outputs)) in enumerate(calls.items()):
+        recorder.calls[(path, "__call__", 0)] = Call(order, inputs, outputs)
+    return recorder
+
+
+X = np.linspace(-2.0, 2.0, 64, dtype=np.float32).reshape(4, 16) + np.float32(1 / 3)
+ROUNDED = X.astype(ml_dtypes.bfloat16)
+NEXT = np.tanh(X)
+NEXT_OF_ROUNDED = np.tanh(ROUNDED.astype(np.float32))
+BLOCKS = (("layers_0/scale", "layers/0/scale"), ("layers_1/scale", "layers/1/scale"))
+
+
+def test_a_module_rounding_to_bfloat16_is_named_not_the_next_one():
+    """At bfloat16's tolerance the rounded output would agree and pass the blame on."""
+    linen = _recorded({"layers_0": ([X], [X]), "layers_1": ([X], [NEXT])})
+    nnx = _recorded({"layers/0": ([X], [ROUNDED]), "layers/1": ([ROUNDED], [NEXT_OF_ROUNDED])})
+    found = first_divergence(linen, nnx, BLOCKS, RULES)
+    assert isinstance(found, Divergence), found
+    assert found.linen_call == ("layers_0", "__call__", 0)
+    assert found.inputs_compared
+
+
+def test_a_linen_layer_returning_carry_and_output_is_compared_on_the_carry():
+    """``nn.scan``'s ``(carry, output)`` on one side, the carry alone on the other."""
+    linen = _recorded({"layers_0": ([X], [X, X]), "layers_1": ([X], [NEXT, NEXT])})
+    nnx = _recorded({"layers/0": ([X], [X + 1]), "layers/1": ([X + 1], [NEXT])})
+    found = first_divergence(linen, nnx, BLOCKS, RULES)
+    assert isinstance(found, Divergence), found
+    assert found.linen_call == ("layers_0", "__call__", 0)
+    assert "output[0]" in found.describe()

@@ -45,6 +45,12 @@ def tolerance_for(*dtypes: Any) -> Tolerance:
     return max(tolerances, key=lambda t: (t.rtol, t.atol))
 
 
+def strictest_tolerance(*dtypes: Any) -> Tolerance:
+    """The policy's tolerance for the most precise of these dtypes: the tightest one wins."""
+    tolerances = [POLICY.get(np.dtype(d).name, EXACT) for d in dtypes]
+    return min(tolerances, key=lambda t: (t.rtol, t.atol))
+
+
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
     """How one leaf failed: enough to fix the bug from the message alone."""

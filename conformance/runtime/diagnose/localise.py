@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conformance.contract import Batch, PathRules
 from conformance.core.distributed import host_array, is_multiprocess
-from conformance.core.numerics import Mismatch, compare_arrays
+from conformance.core.numerics import Mismatch, compare_arrays, strictest_tolerance
 from conformance.core.trees import Flat, PathMapError, map_paths
 from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, mesh_of
 from conformance.runtime.calls import ModuleCall
@@ -182,19 +182,37 @@ def module_pairs(
     return pairs
 
 
-def _compare(label: str, first: list[np.ndarray], second: list[np.ndarray]) -> Mismatch | None:
-    """The first leaf of ``label`` outside tolerance; ``None`` if all agree."""
+Arrays = list[np.ndarray]
+"""A call's floating-point inputs or outputs, on the host."""
+
+
+def _compare(label: str, first: Arrays, second: Arrays) -> Mismatch | None:
+    """The first leaf of ``label`` outside tolerance; ``None`` if all agree.
+
+    Two values of other dtypes are compared at the more precise one's tolerance: a side
+    that rounds where the other does not has parted from it there, and at the coarser
+    tolerance its rounded output would pass on as agreeing inputs to the next call, which
+    would then be blamed.
+    """
     for i, (a, b) in enumerate(zip(first, second, strict=True)):
-        found = compare_arrays(f"{label}[{i}]", a, b)
+        found = compare_arrays(f"{label}[{i}]", a, b, strictest_tolerance(a.dtype, b.dtype))
         if found is not None:
             return found
     return None
 
 
-def _comparable(first: list[np.ndarray], second: list[np.ndarray]) -> bool:
-    return len(first) == len(second) and all(
-        a.shape == b.shape for a, b in zip(first, second, strict=True)
-    )
+def _paired(first: Arrays, second: Arrays) -> tuple[Arrays, Arrays] | None:
+    """Two calls' inputs or outputs to compare position by position; ``None``: none.
+
+    Where one side has more, the leading arrays both have are compared: a Linen layer
+    returns ``(carry, output)`` for ``nn.scan`` where its NNX twin returns the carry.
+    """
+    n = min(len(first), len(second))
+    if n == 0 and len(first) != len(second):
+        return None
+    if any(a.shape != b.shape for a, b in zip(first[:n], second[:n], strict=True)):
+        return None
+    return first[:n], second[:n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,15 +267,17 @@ def first_divergence(
     compared = agreed = 0
     for (path, method, count), call in ordered:
         other = nnx_.calls.get((pairs.get(path, "\0"), method, count))
-        if other is None or not _comparable(call.outputs, other.outputs):
+        outputs = None if other is None else _paired(call.outputs, other.outputs)
+        if outputs is None:
             continue
         compared += 1
-        found = _compare("output", call.outputs, other.outputs)
+        found = _compare("output", *outputs)
         if found is None:
             agreed += 1
             continue
-        inputs_known = _comparable(call.inputs, other.inputs)
-        if inputs_known and _compare("input", call.inputs, other.inputs) is not None:
+        inputs = _paired(call.inputs, other.inputs)
+        inputs_known = inputs is not None
+        if inputs is not None and _compare("input", *inputs) is not None:
             continue
         target = pairs[path]
         paired = set(pairs.values())
