@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 
+from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
 from tests.contract.toyzoo.families import ToyMinimal
 from tests.contract.toyzoo.stacked import ToyStacked
@@ -32,6 +34,14 @@ class SilentBfloat16(LlamaFamily):
         model = super().nnx_module(config, rngs)
         model.layers[1].mlp.down.dtype = jnp.bfloat16
         return model
+
+
+_block_call = llama_nnx.Block.__call__
+
+
+def _residual_in_bfloat16(self: llama_nnx.Block, x: jax.Array, *args, **kwargs) -> jax.Array:
+    """Llama's NNX block handing its residual stream on in bfloat16 (Linen's: float32)."""
+    return _block_call(self, x, *args, **kwargs).astype(jnp.bfloat16)
 
 
 class ToyNormEpsilon(ToyMinimal):
@@ -100,6 +110,17 @@ FAULTS = (
             "precision differs: layers_1/mlp/down (NNX layers/1/mlp/down): NNX rounds "
             "float32 -> bfloat16",
         ),
+    ),
+    Fault(
+        LlamaFamily(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: layers_0 (NNX layers/0), __call__: its inputs agree and "
+            "its output does not",
+            "precision differs: layers_0 (NNX layers/0): NNX rounds float32 -> bfloat16",
+        ),
+        model_patch=(llama_nnx.Block, "__call__", _residual_in_bfloat16),
     ),
     Fault(
         ToyNormEpsilon(),
