@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -132,6 +133,36 @@ def test_the_launcher_stops_every_process_at_its_timeout():
         launch.stop(sleepers)
     assert status == launch.TIMED_OUT
     assert why == "the run outlived its 0.5 s timeout; stopped process(es) 0"
+
+
+SLEEPERS = """
+import sys
+from pathlib import Path
+from conformance.cli import launch
+
+pids = Path(sys.argv[1])
+sleep = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)"
+launch.commands = lambda emulation, args, port: [
+    [sys.executable, "-c", sleep, str(pids / f"{i}.pid")] for i in range(2)
+]
+sys.exit(launch.run(launch.Emulation(2, 1, 120.0, pids / "logs"), []))
+"""
+
+
+def test_the_launcher_stops_every_process_when_it_is_terminated(tmp_path):
+    """A CI runner cancelling the job sends SIGTERM: no emulated process outlives it."""
+    launcher = subprocess.Popen([sys.executable, "-c", SLEEPERS, str(tmp_path)], cwd=REPO)
+    deadline = time.monotonic() + 60
+    files = [tmp_path / f"{i}.pid" for i in range(2)]
+    while not all(f.exists() and f.read_text() for f in files):
+        assert time.monotonic() < deadline
+        assert launcher.poll() is None
+        time.sleep(0.1)
+    launcher.terminate()
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in (int(f.read_text()) for f in files):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_each_emulated_process_gets_its_own_device_count():

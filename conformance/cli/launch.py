@@ -9,6 +9,7 @@ outlives its timeout, all are stopped; the exit status is the first failure's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -121,7 +122,8 @@ def run(emulation: Emulation, args: Sequence[str], out: IO[str] = sys.stdout) ->
 
     0 only if every process exits 0. Once one fails, the others get :data:`GRACE_S` to
     finish before they are stopped; :data:`TIMED_OUT` if the run outlives ``timeout_s``.
-    A summary names each process's exit and log, with the end of each failed process's log.
+    SIGTERM stops every process before this one exits (status 143). A summary names each
+    process's exit and log, with the end of each failed process's log.
     """
     emulation.logs.mkdir(parents=True, exist_ok=True)
     (emulation.logs / "shared").mkdir(exist_ok=True)
@@ -137,22 +139,25 @@ def run(emulation: Emulation, args: Sequence[str], out: IO[str] = sys.stdout) ->
     procs: list[subprocess.Popen[bytes]] = []
     files = [open(path, "wb") for path in logs]  # noqa: SIM115 (closed below)
     threads = []
-    try:
-        for index, command in enumerate(commands(emulation, args, port)):
-            pipe = subprocess.PIPE if index == 0 else files[index]
-            procs.append(subprocess.Popen(command, env=env, stdout=pipe, stderr=subprocess.STDOUT))
-        if procs[0].stdout is not None:
-            shown = getattr(out, "buffer", None) or sys.stdout.buffer
-            thread = threading.Thread(target=_tee, args=(procs[0].stdout, files[0], shown))
-            thread.start()
-            threads.append(thread)
-        status, why = watch(procs, emulation.timeout_s)
-    finally:
-        stop(procs)
-        for thread in threads:
-            thread.join()
-        for file in files:
-            file.close()
+    with _sigterm_as_exit():
+        try:
+            for index, command in enumerate(commands(emulation, args, port)):
+                pipe = subprocess.PIPE if index == 0 else files[index]
+                procs.append(
+                    subprocess.Popen(command, env=env, stdout=pipe, stderr=subprocess.STDOUT)
+                )
+            if procs[0].stdout is not None:
+                shown = getattr(out, "buffer", None) or sys.stdout.buffer
+                thread = threading.Thread(target=_tee, args=(procs[0].stdout, files[0], shown))
+                thread.start()
+                threads.append(thread)
+            status, why = watch(procs, emulation.timeout_s)
+        finally:
+            stop(procs)
+            for thread in threads:
+                thread.join()
+            for file in files:
+                file.close()
     out.flush()
     print(f"conformance: {why}", file=out)
     for index, (proc, path) in enumerate(zip(procs, logs, strict=True)):
@@ -162,6 +167,28 @@ def run(emulation: Emulation, args: Sequence[str], out: IO[str] = sys.stdout) ->
             print(_tail(path), file=out)
     out.flush()
     return status
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM ends this process as ``SystemExit`` (status 143).
+
+    Python's default for SIGTERM ends the process at once, skipping ``finally``: a CI
+    runner cancelling the job, or ``timeout(1)``, would leave the emulated processes
+    running. Off the main thread, where no handler can be set, it changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def watch(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> tuple[int, str]:
