@@ -39,16 +39,22 @@ POLICY: Mapping[str, Tolerance] = {
 compare exactly."""
 
 
+def _policy(dtypes: Sequence[Any]) -> list[Tolerance]:
+    return [POLICY.get(np.dtype(d).name, EXACT) for d in dtypes]
+
+
+def _looseness(tolerance: Tolerance) -> tuple[float, float]:
+    return tolerance.rtol, tolerance.atol
+
+
 def tolerance_for(*dtypes: Any) -> Tolerance:
     """The policy's tolerance for comparing values of these dtypes: the loosest one wins."""
-    tolerances = [POLICY.get(np.dtype(d).name, EXACT) for d in dtypes]
-    return max(tolerances, key=lambda t: (t.rtol, t.atol))
+    return max(_policy(dtypes), key=_looseness)
 
 
 def strictest_tolerance(*dtypes: Any) -> Tolerance:
     """The policy's tolerance for the most precise of these dtypes: the tightest one wins."""
-    tolerances = [POLICY.get(np.dtype(d).name, EXACT) for d in dtypes]
-    return min(tolerances, key=lambda t: (t.rtol, t.atol))
+    return min(_policy(dtypes), key=_looseness)
 
 
 @dataclasses.dataclass(frozen=True)
