@@ -65,7 +65,7 @@ def check_bf16_train_step(case: Case) -> None:
     only: ``train_step`` covers the layouts in float32. Every leaf is held to the
     bfloat16 tolerance; a step beyond it passes when the float32 steps from the same
     parameters agree and each leaf's gap is within each side's own spread
-    (:func:`~conformance.checks.kernel.spread_step`).
+    (:func:`~conformance.checks.kernel.spread_verdict`).
     """
     bf16, float32 = case.in_dtype(jnp.bfloat16), case.in_dtype(jnp.float32)
     train_step_parity(bf16, "bf16_train_step", float32)

@@ -7,8 +7,6 @@ the step and the leaf path, and say whether each side agrees with itself on one 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -23,6 +21,7 @@ from conformance.checks.kernel import (
     steps_agree,
     train_pair,
     train_step_parity,
+    variant_parity,
 )
 from conformance.contract import (
     AuxLosses,
@@ -106,64 +105,15 @@ def check_fp8_train_step(case: Case) -> None:
     train_step_parity(case.with_config(fp8(case.config)), "fp8_train_step")
 
 
-def _plain_and_variant(
-    case: Case, variant: Mapping[str, Any], start: Flat | None = None
-) -> tuple[Flat, tuple[StepResult, ...], tuple[StepResult, ...]]:
-    """One step of both sides, plain and with ``variant``: ``(start, plain, varied)``.
-
-    ``variant`` holds keywords of :func:`~conformance.checks.kernel.train_pair`; both
-    steps start from the same parameters.
-    """
-    batch = case.batch()
-    plain = train_pair(case, start)
-    start = plain[0].initial
-    varied = train_pair(case, start, **variant)
-    return (
-        start,
-        tuple(side.advance(batch) for side in plain),
-        tuple(side.advance(batch) for side in varied),
-    )
-
-
-def _step_variant(case: Case, names: tuple[str, str], variant: Mapping[str, Any]) -> None:
-    """One step with ``variant`` equals the plain step, on each backend and across.
-
-    ``names`` name the plain and the varied step in reports. A failure also says
-    whether each result agrees with the same step on one device.
-    """
-    start, plain, varied = _plain_and_variant(case, variant)
-
-    @functools.cache
-    def reference() -> tuple[Any, ...]:
-        return _plain_and_variant(case.on_one_device(), variant, start)[1:]
-
-    what = f"one step on mesh {case.mesh.id}"
-    for i, side in enumerate(live_pair(case)):
-        steps_agree(
-            f"{side.name} {what}",
-            plain[i],
-            varied[i],
-            names,
-            case=case,
-            reference=functools.partial(lambda i: tuple(r[i] for r in reference()), i),
-        )
-    steps_agree(
-        f"{names[1]}, {what}",
-        varied[0],
-        varied[1],
-        case=case,
-        reference=lambda: reference()[1],
-    )
-
-
 @declare(ON_MESH, requires=_additive_loss)
 def check_grad_accumulation(case: Case) -> None:
     """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
 
-    Holds on each backend, and across backends for the accumulated step.
+    Holds on each backend, and across backends for the accumulated step
+    (:func:`~conformance.checks.kernel.variant_parity`).
     """
     names = ("whole batch", f"{MICRO_BATCHES} micro-batches")
-    _step_variant(case, names, {"micro_batches": MICRO_BATCHES})
+    variant_parity(case, names, {"micro_batches": MICRO_BATCHES})
 
 
 @declare(ON_MESH, capability="vocab_tiling")
@@ -179,7 +129,7 @@ def check_vocab_tiling(case: Case) -> None:
     parameters.
     """
     names = ("untiled", f"{VOCAB_TILES} vocab tiles")
-    _step_variant(case, names, {"vocab_tiles": VOCAB_TILES})
+    variant_parity(case, names, {"vocab_tiles": VOCAB_TILES})
 
 
 def _to_variant(plain: Side, varied: Side, variant: str) -> Any:

@@ -12,6 +12,8 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
 * :mod:`~conformance.checks.kernel.steps`: train steps;
+* :mod:`~conformance.checks.kernel.variants`: a train step with a variant that must not
+  change numerics (accumulation, a tiled loss) against the plain step;
 * :mod:`~conformance.checks.kernel.precision`: the dtypes each module computes in;
 * :mod:`~conformance.checks.kernel.activations`: how each module call's values are
   sharded.
@@ -54,17 +56,20 @@ from conformance.checks.kernel.precision import precision_differences
 from conformance.checks.kernel.steps import (
     DROPOUT_RATE,
     STEPS,
+    judged_disagreement,
     leaf_group,
     rerun_note,
     rounding_step,
-    spread_step,
+    spread_verdict,
     step_disagreement,
     step_tree,
     steps_agree,
     train_pair,
     train_step_parity,
     train_steps,
+    twin_verdict,
 )
+from conformance.checks.kernel.variants import variant_parity
 
 __all__ = [
     "PROGRAMS",
@@ -86,6 +91,7 @@ __all__ = [
     "error_bound",
     "forward_attribution",
     "layout_rows",
+    "judged_disagreement",
     "leaf_group",
     "leaf_table",
     "misplaced",
@@ -97,7 +103,7 @@ __all__ = [
     "round_trip",
     "rounding_step",
     "shared_params",
-    "spread_step",
+    "spread_verdict",
     "structure_problems",
     "step_disagreement",
     "step_tree",
@@ -105,6 +111,8 @@ __all__ = [
     "train_pair",
     "train_step_parity",
     "train_steps",
+    "twin_verdict",
     "unanswered",
+    "variant_parity",
     "within_spread",
 ]

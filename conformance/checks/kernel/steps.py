@@ -4,13 +4,14 @@
 step's loss, gradients and next state; a failure on a mesh says which side moves on
 one device, and a quantized step that fails the float policy is judged by the float
 steps from the same parameters (:func:`rounding_step`), a bfloat16 one by them and each
-side's own spread (:func:`spread_step`).
+side's own spread (:func:`spread_verdict`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +31,7 @@ from conformance.core.rounding import (
     relative_l2,
     rounding_verdict,
     twins_disagree,
+    within_rounding,
 )
 from conformance.core.trees import Flat
 from conformance.runtime.case import Case
@@ -165,6 +167,33 @@ def step_disagreement(
     return message
 
 
+def judged_disagreement(
+    what: str,
+    first: StepResult,
+    second: StepResult,
+    names: tuple[str, str] = ("Linen", "NNX"),
+    *,
+    judge: Callable[[], RoundingVerdict] | None = None,
+    tolerance: Tolerance | None = None,
+    **measured: Any,
+) -> str | None:
+    """:func:`step_disagreement`'s report, unless ``judge`` accepts what lies beyond ``tolerance``.
+
+    ``judge`` (called only when some leaf is beyond ``tolerance``) says whether the two
+    steps differ by rounding; its reasons end a report it rejects. ``measured`` are
+    :func:`step_disagreement`'s other keywords.
+    """
+    verdict = None
+    if judge is not None and compare_trees(step_tree(first), step_tree(second), tolerance):
+        verdict = judge()
+        if verdict.accepted:
+            return None
+    message = step_disagreement(what, first, second, names, tolerance=tolerance, **measured)
+    if message is None or verdict is None:
+        return message
+    return f"{message}\n  {verdict.text}"
+
+
 def steps_agree(
     what: str,
     first: StepResult,
@@ -173,9 +202,20 @@ def steps_agree(
     *,
     case: Case | None = None,
     reference: Callable[[], tuple[StepResult, StepResult]] | None = None,
+    judge: Callable[[], RoundingVerdict] | None = None,
+    tolerance: Tolerance | None = None,
 ) -> None:
-    """Fail with :func:`step_disagreement`'s report unless the two steps agree."""
-    message = step_disagreement(what, first, second, names, case=case, reference=reference)
+    """Fail with :func:`judged_disagreement`'s report unless the two steps agree."""
+    message = judged_disagreement(
+        what,
+        first,
+        second,
+        names,
+        judge=judge,
+        tolerance=tolerance,
+        case=case,
+        reference=reference,
+    )
     if message is not None:
         fail(message)
 
@@ -192,7 +232,7 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     the policy is judged by the
     float steps from the same parameters: quantization-aware for a quantized case
     (:func:`rounding_step`), by each side's own spread for a lower compute dtype
-    (:func:`spread_step`).
+    (:func:`spread_verdict`).
     """
     start, steps = train_steps(case)
 
@@ -200,11 +240,23 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     def reference() -> list[tuple[StepResult, ...]]:
         return train_steps(case.on_one_device(), start)[1]
 
-    judge = None
+    @functools.cache
+    def floats() -> list[tuple[StepResult, ...]]:
+        return train_steps(float_case, start)[1]
+
+    quantized = None
     if float_case is not None and case.quant is not None:
-        judge = rounding_step(case, float_case, start)
-    elif float_case is not None:
-        judge = spread_step(float_case, start, reference, tolerance_for(case.dtype))
+        quantized = rounding_step(case, float_case, start)
+
+    def judge(index: int, steps: tuple[StepResult, ...]) -> Callable[[], RoundingVerdict] | None:
+        """The judge of step ``index`` beyond the policy, if ``float_case`` gives one."""
+        if quantized is not None:
+            return functools.partial(quantized, index, steps)
+        if float_case is None:
+            return None
+        bound = tolerance_for(case.dtype)
+        return lambda: spread_verdict(steps, floats()[index], reference()[index], bound)
+
     lower = case.quant is None and case.dtype != jnp.float32
     tolerance = tolerance_for(case.dtype) if lower else None
     mode = "" if case.dtype == jnp.float32 else f" ({jnp.dtype(case.dtype).name} compute)"
@@ -215,91 +267,123 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
         return None if failures else functools.partial(lambda i: reference()[i], step - 1)
 
     for step, (first, second) in enumerate(steps, start=1):
-        what = f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}"
-        verdict = None
-        if judge is not None and compare_trees(step_tree(first), step_tree(second), tolerance):
-            verdict = judge(step - 1, (first, second))
-        message = None
-        if verdict is None or not verdict.accepted:
-            # Every step is measured, so a report shows how the error grows; the first
-            # failing step's report (with its one-device attribution) is the verdict.
-            message = step_disagreement(
-                what,
-                first,
-                second,
-                case=case,
-                tolerance=tolerance,
-                reference=attribution(step),
-                figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
-                series=f"step {step}",
-            )
+        # Every step is measured, so a report shows how the error grows; the first
+        # failing step's report (with its one-device attribution) is the verdict.
+        message = judged_disagreement(
+            f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}",
+            first,
+            second,
+            judge=judge(step - 1, (first, second)),
+            tolerance=tolerance,
+            case=case,
+            reference=attribution(step),
+            figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
+            series=f"step {step}",
+        )
         counter = int(second[0]["optimizer/step"])
         if message is None and counter != step:
             message = f"optimizer/step is {counter} after step {step}"
         if message is not None:
-            failures.append(message if verdict is None else f"{message}\n  {verdict.text}")
+            failures.append(message)
     if failures:
         fail(failures[0])
 
 
-def spread_step(
-    float_case: Case,
-    start: Flat,
-    one_device: Callable[[], list[tuple[StepResult, ...]]],
+def spread_verdict(
+    steps: tuple[StepResult, ...],
+    twins: tuple[StepResult, ...],
+    alone: tuple[StepResult, ...],
     tolerance: Tolerance,
-) -> Callable[[int, tuple[StepResult, StepResult]], RoundingVerdict]:
-    """A judge of train steps in a lower compute dtype (bfloat16) that fail its policy.
+) -> RoundingVerdict:
+    """Whether two steps in a lower compute dtype (bfloat16) differ by rounding only.
 
-    ``judge(i, steps)`` accepts step ``i`` when the steps of ``float_case`` (float32
-    compute) from ``start`` agree within the float32 policy, and each leaf outside
-    ``tolerance`` is finite on both sides and no farther apart in relative L2 than
-    :data:`~conformance.core.rounding.SENSITIVITY_FACTOR` times the least either side's
-    step on the mesh is from its own step on one device (``one_device()``): two programs
-    that round in another order move that far by themselves (one sample of it, hence
-    the factor). A side that computes something else moves both sides' float32 steps
-    apart, or its low-precision steps beyond that spread.
+    ``twins`` are the same two steps in float32 compute, ``alone`` the same two steps on
+    one device. Accepted when the twins agree within the float32 policy, and each leaf
+    outside ``tolerance`` is finite on both sides and no farther apart in relative L2
+    than :data:`~conformance.core.rounding.SENSITIVITY_FACTOR` times the least either
+    step on the mesh is from its own step on one device: two programs that round in
+    another order move that far by themselves (one sample of it, hence the factor). A
+    side that computes something else moves the float32 steps apart, or its
+    low-precision steps beyond that spread.
     """
-
-    @functools.cache
-    def floats() -> list[tuple[StepResult, ...]]:
-        return train_steps(float_case, start)[1]
-
-    def judge(index: int, steps: tuple[StepResult, StepResult]) -> RoundingVerdict:
-        twin = step_tree(floats()[index][0]), step_tree(floats()[index][1])
-        carried = "a divergence the lower precision carries, not rounding"
-        if (disagree := twins_disagree("float32 steps", twin, carried)) is not None:
-            return disagree
-        pair = [step_tree(result) for result in steps]
-        alone = [step_tree(result) for result in one_device()[index]]
-        rows = [(0.0, 0.0, "")]
-        for path in sorted(m.path for m in compare_trees(*pair, tolerance)):
-            if any(path not in tree for tree in (*pair, *alone)):
-                rows.append((float("inf"), 0.0, path))
-                continue
-            gap = relative_l2(pair[1][path], pair[0][path])
-            moves = [relative_l2(p[path], a[path]) for p, a in zip(pair, alone, strict=True)]
-            reach = SENSITIVITY_FACTOR * min(moves)
-            finite = all(np.isfinite(host_array(p[path])).all() for p in pair)
-            rows.append((gap if finite else float("inf"), reach, path))
-        beyond = [f"{p}: {g:.3e} apart, bound {r:.3e}" for g, r, p in rows if g > r]
-        gap, reach, path = max(rows)
-        figures = (
-            "the float32 steps agree; of the leaves beyond tolerance, the worst in relative "
-            f"L2, {path}, is {gap:.3e} "
-            f"apart, its bound {reach:.3e}: {SENSITIVITY_FACTOR:g}x the least either side's "
-            "step on the mesh moves from its own step on one device"
+    carried = "a divergence the lower precision carries, not rounding"
+    twin = (step_tree(twins[0]), step_tree(twins[1]))
+    if (disagree := twins_disagree("float32 steps", twin, carried)) is not None:
+        return disagree
+    pair = [step_tree(result) for result in steps]
+    single = [step_tree(result) for result in alone]
+    rows = [(0.0, 0.0, "")]
+    for path in sorted(m.path for m in compare_trees(*pair, tolerance)):
+        if any(path not in tree for tree in (*pair, *single)):
+            rows.append((float("inf"), 0.0, path))
+            continue
+        gap = relative_l2(pair[1][path], pair[0][path])
+        moves = [relative_l2(p[path], a[path]) for p, a in zip(pair, single, strict=True)]
+        reach = SENSITIVITY_FACTOR * min(moves)
+        finite = all(np.isfinite(host_array(p[path])).all() for p in pair)
+        rows.append((gap if finite else float("inf"), reach, path))
+    beyond = [f"{p}: {g:.3e} apart, bound {r:.3e}" for g, r, p in rows if g > r]
+    gap, reach, path = max(rows)
+    figures = (
+        "the float32 steps agree; of the leaves beyond tolerance, the worst in relative "
+        f"L2, {path}, is {gap:.3e} "
+        f"apart, its bound {reach:.3e}: {SENSITIVITY_FACTOR:g}x the least either "
+        "step on the mesh moves from its own step on one device"
+    )
+    if beyond:
+        more = f"; and {len(beyond) - 5} more" if len(beyond) > 5 else ""
+        return RoundingVerdict(
+            False,
+            f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: "
+            + "; ".join(beyond[:5])
+            + more,
         )
-        if beyond:
-            more = f"; and {len(beyond) - 5} more" if len(beyond) > 5 else ""
-            return RoundingVerdict(
-                False,
-                f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: "
-                + "; ".join(beyond[:5])
-                + more,
-            )
-        return RoundingVerdict(True, f"{figures}: rounding, accepted")
+    return RoundingVerdict(True, f"{figures}: rounding, accepted")
 
-    return judge
+
+def twin_verdict(
+    steps: tuple[StepResult, ...], twins: tuple[StepResult, ...], tolerance: Tolerance
+) -> RoundingVerdict:
+    """Whether two steps in a lower compute dtype (bfloat16) differ by rounding only.
+
+    ``twins`` are the same two steps in float32 compute, from the same parameters.
+    Accepted when the twins agree within the float32 policy, and each leaf of the second
+    step outside ``tolerance`` is within rounding of the first
+    (:func:`~conformance.core.rounding.within_rounding`: no farther from it in relative
+    L2 than twice the first's own distance from its float32 twin). Updated parameters
+    are compared where Adam's direction is not decided by the gradients' own difference
+    (:func:`~conformance.runtime.diagnose.attribution.noise_masked` with ``sign_noise``).
+    Needs no run beyond the float32 twins, which the same check in float32 compiles.
+    """
+    carried = "a divergence the lower precision carries, not rounding"
+    first, twin = step_tree(steps[0]), step_tree(twins[0])
+    if (
+        disagree := twins_disagree("float32 steps", (twin, step_tree(twins[1])), carried)
+    ) is not None:
+        return disagree
+    second = noise_masked(first, step_tree(steps[1]), sign_noise=True)[0]
+    judged = []
+    for path in sorted(m.path for m in compare_trees(first, second, tolerance)):
+        if not all(path in tree for tree in (first, second, twin)):
+            judged.append((float("inf"), path, RoundingVerdict(False, "not in both steps")))
+            continue
+        rounding = relative_l2(first[path], twin[path])
+        closeness = relative_l2(second[path], first[path]) / max(rounding, np.finfo(float).tiny)
+        judged.append((closeness, path, within_rounding(first[path], second[path], twin[path])))
+    rejected = [f"{path}: {v.text}" for _, path, v in judged if not v.accepted]
+    if rejected:
+        more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
+        return RoundingVerdict(
+            False,
+            f"the float32 steps agree; {len(rejected)} leaf(s) beyond tolerance differ "
+            f"more than rounding moves them: {'; '.join(rejected[:5])}{more}",
+        )
+    _, path, worst = max(judged, default=(0.0, "", RoundingVerdict(True, "")))
+    return RoundingVerdict(
+        True,
+        f"the float32 steps agree; of {len(judged)} leaf(s) beyond tolerance, the nearest "
+        f"its bound is {path}: {worst.text}",
+    )
 
 
 def rounding_step(

@@ -31,7 +31,7 @@ def on_host(flat: Mapping[str, Any]) -> Flat:
     return {path: host_array(value) for path, value in flat.items()}
 
 
-def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
+def noise_masked(first: Flat, second: Flat, *, sign_noise: bool = False) -> tuple[Flat, int]:
     """``second`` with Adam's amplified gradient noise taken from ``first``, and how much.
 
     One Adam step moves a parameter by about the learning rate times ``g / |g|``, so an
@@ -39,6 +39,9 @@ def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
     direction of its rounding noise, which partitioning changes. In results with
     ``grads/<p>`` and ``state/[model/]<p>`` leaves, a parameter element whose gradient is
     within ``atol`` of zero in both results is not compared (its gradient still is).
+    With ``sign_noise``, nor is one whose two gradients are no farther from zero than
+    from each other: where the gradients themselves are judged by rounding (bfloat16
+    compute), Adam's direction there is decided by that accepted difference.
     Returns the adjusted ``second`` and the count of such elements that differed.
     """
     adjusted, masked = dict(second), 0
@@ -53,6 +56,8 @@ def noise_masked(first: Flat, second: Flat) -> tuple[Flat, int]:
         if a.shape != b.shape or g1.shape != a.shape or g2.shape != a.shape:
             continue
         noise = (np.abs(g1) <= atol) & (np.abs(g2) <= atol)
+        if sign_noise:
+            noise |= np.minimum(np.abs(g1), np.abs(g2)) <= np.abs(g1 - g2)
         masked += int((noise & (a != b)).sum())
         adjusted[path] = np.where(noise, a, b)
     return adjusted, masked
