@@ -56,9 +56,10 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
 precision, float (bfloat16 training too), decode (bfloat16 self-consistency too) and
 Qwix."""
 
-IN_BFLOAT16 = frozenset({"decode_consistency"})
+IN_BFLOAT16 = frozenset({"decode_consistency", "grad_accumulation"})
 """Checks a variant runs in bfloat16 compute, not float32: the suite runs them in both on
-the unchanged models, and the variants' float32 numbers are covered by ``forward``."""
+the unchanged models, and the variants' float32 numbers are covered by ``forward`` and
+``train_step``."""
 
 
 _FUSED_PTQ = (
@@ -293,6 +294,7 @@ VARIANTS: tuple[Variant, ...] = (
         "one projection with the query, key and value kernels concatenated, then split",
         ((llama_nnx.Attention, "__call__", _fused_qkv),),
         expected_failures={("quant_forward", "ptq_int8"): _FUSED_PTQ},
+        checks=(*CHECKS, ("grad_accumulation", None)),
     ),
     Variant(
         "einsum-projection",
