@@ -187,18 +187,26 @@ def check_checkpoint_conversion(
     fail_if_any(f"round trip {what} and back is not byte-exact", byte_differences(state, back))
 
 
-@declare((Axis.FAMILY,), BACKENDS, where="primary", workdir=True, pair=False, suite="train_step")
+@declare(
+    (Axis.FAMILY, Axis.DTYPE),
+    BACKENDS,
+    where="primary",
+    workdir=True,
+    pair=False,
+    suite="train_step",
+)
 def check_resume(case: Case, backend: str, workdir: Path) -> None:
     """Twice :data:`RESUME_STEPS` steps straight equal a resumed run, exactly.
 
     The resumed run takes :data:`RESUME_STEPS` steps, saves its state with orbax,
     restores it strictly (byte for byte what was saved) into a fresh train state and
-    takes as many more. On
-    ``backend``, with dropout on when the family has it, every step after the restore
-    must give the straight run's loss and gradients bit for bit, and the final state
-    (parameters, Adam moments, optax counts, the step counter every dropout key derives
-    from) must be byte-identical: a restore that resets the optimizer state or the step
-    counter (the schedule and the RNG streams restart) is caught.
+    takes as many more. On ``backend``, in float32 or bfloat16 compute (parameters and
+    optimizer state stay float32, as saved), with dropout on when the family has it,
+    every step after the restore must give the straight run's loss and gradients bit
+    for bit, and the final state (parameters, Adam moments, optax counts, the step
+    counter every dropout key derives from) must be byte-identical: a restore that
+    resets the optimizer state or the step counter (the schedule and the RNG streams
+    restart), or a checkpoint that stores float32 state in the compute dtype, is caught.
     """
     if (dropout := declared(case.family, Dropout)) is not None:
         case = case.with_config(dropout.config(case.config, DROPOUT_RATE))

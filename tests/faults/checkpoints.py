@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from conformance import families
@@ -63,6 +64,19 @@ def loses_step(state, target):
 def zeroes_moments(tree):
     """A restore that leaves Adam's moments at zero (MaxText #3929)."""
     return {p: np.zeros_like(v) if "/mu/" in p or "/nu/" in p else v for p, v in tree.items()}
+
+
+def saved_in_bfloat16(tree):
+    """A checkpoint that stores float state in the compute dtype, here bfloat16.
+
+    As orbax's ``SaveArgs(dtype=config.dtype)`` would: a no-op under float32 compute,
+    so only a resume in bfloat16 compute shows it. The restored parameters and Adam
+    moments are the saved ones rounded to bfloat16, back in float32.
+    """
+    return {
+        p: v.astype(jnp.bfloat16).astype(v.dtype) if v.dtype == jnp.float32 else v
+        for p, v in tree.items()
+    }
 
 
 def restarts_step(tree):
@@ -141,6 +155,14 @@ FAULTS = (
         ("Linen state restored from the checkpoint of step 2", "optimizer/step:"),
         seams={"checkpoint_restored": restarts_step},
         params={"backend": "linen"},
+    ),
+    Fault(
+        Llama(),
+        "resume",
+        ("NNX state restored from the checkpoint of step 2", "model/lm_head/kernel: 16384 of"),
+        seams={"checkpoint_restored": saved_in_bfloat16},
+        params={"backend": "nnx"},
+        dtype=jnp.bfloat16,
     ),
     Fault(
         Llama(),
