@@ -289,6 +289,25 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
         fail(failures[0])
 
 
+def _twins_disagree(twins: tuple[StepResult, ...]) -> RoundingVerdict | None:
+    """A verdict rejecting a low-precision pair whose float32 ``twins`` disagree too."""
+    pair = (step_tree(twins[0]), step_tree(twins[1]))
+    return twins_disagree(
+        "float32 steps", pair, "a divergence the lower precision carries, not rounding"
+    )
+
+
+def _beyond_rounding(figures: str, rejected: list[str]) -> RoundingVerdict:
+    """A rejecting verdict: ``figures``, then the first five ``rejected`` leaves."""
+    more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
+    return RoundingVerdict(
+        False,
+        f"{figures}: {len(rejected)} leaf(s) differ more than rounding moves them: "
+        + "; ".join(rejected[:5])
+        + more,
+    )
+
+
 def spread_verdict(
     steps: tuple[StepResult, ...],
     twins: tuple[StepResult, ...],
@@ -306,9 +325,7 @@ def spread_verdict(
     side that computes something else moves the float32 steps apart, or its
     low-precision steps beyond that spread.
     """
-    carried = "a divergence the lower precision carries, not rounding"
-    twin = (step_tree(twins[0]), step_tree(twins[1]))
-    if (disagree := twins_disagree("float32 steps", twin, carried)) is not None:
+    if (disagree := _twins_disagree(twins)) is not None:
         return disagree
     pair = [step_tree(result) for result in steps]
     single = [step_tree(result) for result in alone]
@@ -331,13 +348,7 @@ def spread_verdict(
         "step on the mesh moves from its own step on one device"
     )
     if beyond:
-        more = f"; and {len(beyond) - 5} more" if len(beyond) > 5 else ""
-        return RoundingVerdict(
-            False,
-            f"{figures}: {len(beyond)} leaf(s) differ more than rounding moves them: "
-            + "; ".join(beyond[:5])
-            + more,
-        )
+        return _beyond_rounding(figures, beyond)
     return RoundingVerdict(True, f"{figures}: rounding, accepted")
 
 
@@ -355,12 +366,9 @@ def twin_verdict(
     (:func:`~conformance.runtime.diagnose.attribution.noise_masked` with ``sign_noise``).
     Needs no run beyond the float32 twins, which the same check in float32 compiles.
     """
-    carried = "a divergence the lower precision carries, not rounding"
-    first, twin = step_tree(steps[0]), step_tree(twins[0])
-    if (
-        disagree := twins_disagree("float32 steps", (twin, step_tree(twins[1])), carried)
-    ) is not None:
+    if (disagree := _twins_disagree(twins)) is not None:
         return disagree
+    first, twin = step_tree(steps[0]), step_tree(twins[0])
     second = noise_masked(first, step_tree(steps[1]), sign_noise=True)[0]
     judged = []
     for path in sorted(m.path for m in compare_trees(first, second, tolerance)):
@@ -372,12 +380,7 @@ def twin_verdict(
         judged.append((closeness, path, within_rounding(first[path], second[path], twin[path])))
     rejected = [f"{path}: {v.text}" for _, path, v in judged if not v.accepted]
     if rejected:
-        more = f"; and {len(rejected) - 5} more" if len(rejected) > 5 else ""
-        return RoundingVerdict(
-            False,
-            f"the float32 steps agree; {len(rejected)} leaf(s) beyond tolerance differ "
-            f"more than rounding moves them: {'; '.join(rejected[:5])}{more}",
-        )
+        return _beyond_rounding("the float32 steps agree; of the leaves beyond tolerance", rejected)
     _, path, worst = max(judged, default=(0.0, "", RoundingVerdict(True, "")))
     return RoundingVerdict(
         True,
