@@ -92,8 +92,8 @@ class Generation:
     step_logits: np.ndarray
     """``[steps, rows, vocab]``: decode step ``t`` ran at position ``lengths + t``."""
     tokens: np.ndarray
-    """``[rows, steps + 1]`` greedy tokens at positions ``lengths + k``: for next-token
-    logits the first chosen at prefill, then one per step."""
+    """``[rows, steps + 1]`` tokens at positions ``lengths + k``, greedy or forced (what
+    was fed back): for next-token logits the first chosen at prefill, then one per step."""
     caches: tuple[Flat, ...]
     """The cache after prefill, then after each decode step, as host arrays (token by
     token: after the call at the prompt's last position, then after each later call)."""
@@ -135,31 +135,35 @@ def generate(
     steps: int,
     place: Callable[[Batch], Batch] = lambda b: b,
     shardings: CacheShardings | None = None,
+    forced: np.ndarray | None = None,
 ) -> Generation:
     """Prefill ``prompt``, then decode ``steps`` greedy tokens one at a time.
 
     Every call goes through ``place`` (which shards a batch) and keeps the cache with
     ``shardings``. The token after the prompt is the argmax of the prefill logits at
     each row's last real token; each decode step feeds the previous token at position
-    :func:`decode_positions`. A family that decodes token by token is served by
+    :func:`decode_positions`. With ``forced`` (``[rows, steps + 1]``, another
+    generation's :attr:`Generation.tokens`) those tokens are fed instead of the argmax
+    (teacher forcing), so two backends decode the same sequences even where rounding
+    breaks a near tie differently. A family that decodes token by token is served by
     :func:`_by_token` instead, into the same :class:`Generation`.
     """
     if by_token(decoder.family):
-        return _by_token(decoder, params, prompt, lengths, steps, place, shardings)
+        return _by_token(decoder, params, prompt, lengths, steps, place, shardings, forced)
     rows = len(lengths)
     positions = seam("decode_positions", decode_positions)
     cache = decoder.init_cache(shardings)
     logits, cache = decoder.run("prefill", params, cache, place(prompt), shardings)
     caches = [_on_host(cache)]
     prefill_logits = host_array(logits)
-    token = prefill_logits[np.arange(rows), lengths - 1].argmax(-1).astype(np.int32)
+    token = _fed(prefill_logits[np.arange(rows), lengths - 1], forced, 0)
     tokens, step_logits = [token], []
     for step in range(steps):
         batch = step_batch(token[:, None], positions(lengths, step))
         logits, cache = decoder.run("decode", params, cache, place(batch), shardings)
         caches.append(_on_host(cache))
         step_logits.append(host_array(logits)[:, 0])
-        token = step_logits[-1].argmax(-1).astype(np.int32)
+        token = _fed(step_logits[-1], forced, step + 1)
         tokens.append(token)
     return Generation(
         prompt=prompt,
@@ -179,6 +183,7 @@ def _by_token(
     steps: int,
     place: Callable[[Batch], Batch],
     shardings: CacheShardings | None,
+    forced: np.ndarray | None,
 ) -> Generation:
     """:func:`generate` for a family that decodes one token per call, as Flax's examples do.
 
@@ -187,7 +192,8 @@ def _by_token(
     next-token logits the token fed at position ``p`` is the one at ``p``; for
     current-token logits (the model shifts its inputs) it is the one at ``p - 1``, and 0
     at position 0. The logits at a row's prompt positions are its prefill logits, those
-    at ``lengths + t`` its decode step ``t``.
+    at ``lengths + t`` its decode step ``t``. ``forced`` tokens replace the greedy ones at
+    positions ``lengths + k`` for ``k <= steps``; later ones are never compared.
     """
     rows, width = prompt.tokens.shape
     ahead = int(decoder.family.logits_predict == "next")
@@ -205,6 +211,10 @@ def _by_token(
         chosen = position + ahead
         generated = chosen >= lengths
         sequence[generated, chosen] = logits[-1][generated].argmax(-1)
+        if forced is not None:
+            k = chosen - lengths
+            taken = generated & (k < forced.shape[1])
+            sequence[taken, chosen] = forced[taken, k[taken]]
         if position >= width - 1:
             caches.append(_on_host(cache))
     every = np.stack(logits, axis=1)
@@ -218,6 +228,13 @@ def _by_token(
         caches=tuple(caches),
         predicts=decoder.family.logits_predict,
     )
+
+
+def _fed(logits: np.ndarray, forced: np.ndarray | None, index: int) -> np.ndarray:
+    """Token ``index`` of each row: ``forced``'s, or the greedy choice from ``logits``."""
+    if forced is not None:
+        return np.asarray(forced[:, index], np.int32)
+    return logits.argmax(-1).astype(np.int32)
 
 
 def _on_host(flat: Flat) -> Flat:

@@ -19,6 +19,7 @@ import abc
 import dataclasses
 from typing import Any, ClassVar
 
+import numpy as np
 from jax.sharding import NamedSharding
 
 from conformance.contract import Backend
@@ -141,18 +142,21 @@ class Side(abc.ABC):
         """Logits and sown per-block hidden states of ``batch`` from ``params``."""
         return self.runner.forward(params, batch)
 
-    def generate(self, params: Flat, steps: int, rows: int = BATCH_SIZE) -> Generation:
+    def generate(
+        self, params: Flat, steps: int, rows: int = BATCH_SIZE, forced: np.ndarray | None = None
+    ) -> Generation:
         """``params`` (own paths, on the devices) served greedily through the KV cache.
 
         ``rows`` prompts of different lengths from the family's batch
         (:func:`~conformance.runtime.generation.prompt_batch`), a prefill, then ``steps``
-        decode steps, every call sharded on the case's mesh.
+        decode steps, every call sharded on the case's mesh. ``forced`` tokens (another
+        generation's) are fed instead of the greedy ones.
         """
         case = self.case
         prompt, lengths = prompt_batch(case.family, case.bound, rows, steps)
         decoder = self.decoder(rows)
         shardings = case.shardings(decoder.logical)
-        return generate(decoder, params, prompt, lengths, steps, case.place, shardings)
+        return generate(decoder, params, prompt, lengths, steps, case.place, shardings, forced)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,7 @@ CHECKS: tuple[tuple[str, str | None], ...] = (
 precision, float (bfloat16 training too), decode (bfloat16 self-consistency too) and
 Qwix."""
 
-IN_BFLOAT16 = frozenset({"decode_consistency", "grad_accumulation"})
+IN_BFLOAT16 = frozenset({"decode", "decode_consistency", "grad_accumulation"})
 """Checks a variant runs in bfloat16 compute, not float32: the suite runs them in both on
 the unchanged models, and the variants' float32 numbers are covered by ``forward`` and
 ``train_step``."""
