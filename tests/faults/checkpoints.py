@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -110,6 +111,21 @@ def restore_real_checkpoint(fault: Fault, workdir: Path) -> None:
 
 _CONVERSION = {"source": "linen", "layouts": (False, False)}
 
+_RESUME_CONVERSION = (
+    Fault(
+        Llama(),
+        "resume_conversion",
+        ("step 3 of 4", "NNX resumed from Linen's checkpoint of step 2", "/mu/"),
+        seams={"convert_paths": swaps_moments},
+    ),
+    Fault(
+        Llama(),
+        "resume_conversion",
+        ("step 3 of 4", "state/optimizer/step:"),
+        seams={"convert_cast_counters": loses_step},
+    ),
+)
+
 FAULTS = (
     Fault(
         Llama(),
@@ -164,17 +180,19 @@ FAULTS = (
         params={"backend": "nnx"},
         dtype=jnp.bfloat16,
     ),
-    Fault(
-        Llama(),
-        "resume_conversion",
-        ("step 3 of 4", "NNX resumed from Linen's checkpoint of step 2", "/mu/"),
-        seams={"convert_paths": swaps_moments},
-    ),
-    Fault(
-        Llama(),
-        "resume_conversion",
-        ("step 3 of 4", "state/optimizer/step:"),
-        seams={"convert_cast_counters": loses_step},
+    *_RESUME_CONVERSION,
+    *(
+        dataclasses.replace(
+            fault,
+            dtype=jnp.bfloat16,
+            expect=(
+                *fault.expect,
+                "(bfloat16 compute)",
+                "the float32 steps disagree too",
+                "a divergence the lower precision carries, not rounding",
+            ),
+        )
+        for fault in _RESUME_CONVERSION
     ),
     Fault(
         RenamedLeaf(),
