@@ -14,15 +14,15 @@ Partitioning is what ``sharding_invariance`` and the live-pair checks gate.
 
 A recording made on another machine rounds differently (XLA compiles for the host's
 CPU), so a comparison that fails the policy is made again within the live side's own
-spread: what it computes partitioned on the case's mesh (:func:`_partitioned`), and for
-quantized logits the quantization-aware policy with the recorded float32 logits as the
-recording's float twin. Only what the live side's own runs disagree about (or, quantized,
-what rounding explains) passes.
+spread: what it computes partitioned on the case's mesh
+(:func:`~conformance.checks.kernel.partitioned_side`), and for quantized logits the
+quantization-aware policy with the recorded float32 logits as the recording's float
+twin. Only what the live side's own runs disagree about (or, quantized, what rounding
+explains) passes.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,151 +31,35 @@ import jax
 import numpy as np
 
 from conformance.checks.declare import Axis, F, Param, declare
-from conformance.checks.kernel import beyond_own_spread, quantized_forwards, step_disagreement
-from conformance.contract import persistent_types, preferred_layout
+from conformance.checks.kernel import (
+    against_title,
+    beyond_own_spread,
+    beyond_spread_note,
+    fail_against,
+    partitioned_side,
+    persistent_state,
+    quantized_forwards,
+    recorded_pair,
+    recorded_params,
+    recorded_step_parity,
+    without_training,
+)
+from conformance.contract import preferred_layout
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
 from conformance.core.rounding import RECORDED_ERROR_SPREAD
-from conformance.core.trees import Flat, mirrored_param, specs
+from conformance.core.trees import Flat, specs
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointError, cast_counters
 from conformance.runtime.generation import prompt_only
 from conformance.runtime.quant import known_failure as quant_failure
-from conformance.runtime.recorded import RECORD_COMMAND, MissingReference, RecordedSide, load
+from conformance.runtime.recorded import RecordedSide
 from conformance.runtime.recording import DTYPES
 from conformance.runtime.sides import SIDES, Side
-from conformance.runtime.stepping import StepResult, Training
+from conformance.runtime.stepping import Training
 from conformance.runtime.train_state import flat_state
-
-
-def _pair(case: Case, backend: str, recorded: str, references: Path) -> tuple[Side, RecordedSide]:
-    """The live side of ``backend`` on ``case``'s one device, and the recorded reference."""
-    case = case.on_one_device()
-    try:
-        reference = load(case.family, recorded, references)
-    except MissingReference as err:
-        fail(str(err))
-    if reference.layout != case.layout:
-        fail(
-            f"{reference.label} was recorded in the {reference.layout} layout; the family "
-            f"now prefers {case.layout}: record it again"
-        )
-    return SIDES[backend](case), reference
-
-
-def _persistent(live: Side) -> dict[str, str]:
-    """``live``'s declared persistent state (not parameters): canonical path -> its kind."""
-    declared = {kind.__name__ for kind in persistent_types(live.case.family)}
-    own = {
-        path.removeprefix("model/"): kind
-        for path, kind in live.trainer().kinds.items()
-        if path.startswith("model/") and kind in declared
-    }
-    return live.canonical(own)
-
-
-def _without_training(flat: Flat, persistent: Mapping[str, str]) -> Flat:
-    """``flat`` (gradients or a train state) without what ``persistent`` state cannot have.
-
-    A parameter that became persistent state (maxtext 0.2.5's MoE routing bias) is not
-    trained any more: its recorded gradient and optimizer moments have no live
-    counterpart, while its value (``model/...``) stays and is compared.
-    """
-    return {
-        path: value
-        for path, value in flat.items()
-        if path.startswith("model/") or mirrored_param(path, persistent) is None
-    }
-
-
-def _params(live: Side, reference: RecordedSide) -> Flat:
-    """The recorded parameters placed on ``live``'s device; every leaf must fit, or it fails.
-
-    A leaf that changed collection since the recording (a parameter that became another
-    Variable type of the train state, or the reverse) is named as such first, unless it
-    became the family's declared persistent state
-    (:class:`~conformance.contract.PersistentState`, as maxtext 0.2.5's MoE routing bias
-    did): that leaf is not a parameter any more, and reaches the live side through the
-    recorded train state (``recorded_resume``).
-    """
-    held = set(live.runner.specs)
-    persistent = _persistent(live)
-    params = live.own({p: v for p, v in reference.params().items() if p not in persistent})
-    live_kinds = live.trainer().kinds
-    recorded_kinds = live.own(dict(reference.state_kinds()))
-    moved = [
-        f"{path}: recorded as Param, live as {live_kinds[f'model/{path}']} (changed collection)"
-        for path in sorted(set(params) - held)
-        if live_kinds.get(f"model/{path}", "Param") != "Param"
-    ]
-    moved += [
-        f"{path}: recorded as {recorded_kinds[f'model/{path}']}, live as Param (changed collection)"
-        for path in sorted(held - set(params))
-        if recorded_kinds.get(f"model/{path}", "Param") != "Param"
-    ]
-    fail_if_any(f"{live.name} cannot take the parameters of {reference.label}", moved)
-    return live.place(params)
-
-
-def _versions(reference: RecordedSide) -> str:
-    changes = reference.version_changes()
-    if not changes:
-        return "recorded with the installed library versions"
-    return (
-        "library versions changed since the recording: "
-        + ", ".join(changes)
-        + f"; if the new numbers are intended, re-record: {RECORD_COMMAND} --family "
-        + f"{reference.family.name} --backend {reference.backend} --update"
-    )
-
-
-def _untrained(live: Side, reference: RecordedSide) -> list[str]:
-    """Each leaf the recording trained as a parameter that ``live`` keeps as state."""
-    recorded = reference.state_kinds()
-    return [
-        f"{path}: a parameter when recorded, {kind} (persistent state, not trained) now"
-        for path, kind in sorted(_persistent(live).items())
-        if recorded.get(f"model/{path}") == "Param"
-    ]
-
-
-def _failed(live: Side, reference: RecordedSide, message: str) -> None:
-    """Fail with ``message``, the verdict and the library versions that changed.
-
-    A parameter that became persistent state is named too: it is no longer trained.
-    """
-    moved = "".join(f"\n  changed collection: {line}" for line in _untrained(live, reference))
-    fail(
-        f"{message}\n  verdict: {live.name} on one device, as recorded, differs from "
-        f"{reference.label}{moved}\n  {_versions(reference)}"
-    )
-
-
-def _title(live: Side, reference: RecordedSide, what: str) -> str:
-    return f"{live.name} vs {reference.label}: {what} on one device"
-
-
-def _partitioned(side: Side, case: Case) -> Side:
-    """``side`` on ``case``'s mesh: the same computation with its sums reordered.
-
-    What it computes there beside what it computes on one device is the live side's own
-    spread (:func:`~conformance.core.numerics.compare_arrays`): XLA compiles for the
-    machine it runs on, so an element the live side does not compute the same way twice
-    may differ from a recording made on another machine by about as much. Whether the
-    live side agrees with itself is ``sharding_invariance``'s question.
-    """
-    return side.on(side.case.on(case.mesh, case.devices))
-
-
-def _beyond_spread(side: Side, case: Case, what: str) -> str:
-    """The line a failure compared within ``side``'s own spread ends with."""
-    return (
-        f"compared again with {side.name}'s own spread ({what} partitioned on mesh "
-        f"{case.mesh.id}): these elements differ by more than its own runs do"
-    )
-
 
 _LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDES)),)
 """Each live backend, against the recorded one."""
@@ -215,13 +99,13 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
     In float32 and bfloat16; below float32, an element outside tolerance passes when the
     live side is no farther than the recording from the recorded float32 logits. Logits
     that disagree are compared again within the live side's own spread (the same forward
-    partitioned on ``case``'s mesh, :func:`_partitioned`). Below float32, once float32
-    agrees, logits still apart pass when they are finite and no farther from the
-    recording in relative L2 than the live side's partitioned logits are from its own:
-    rounding, which another machine's compiler does differently, moves them that much.
+    partitioned on ``case``'s mesh, :func:`~conformance.checks.kernel.partitioned_side`). Below
+    float32, once float32 agrees, logits still apart pass when they are finite and no
+    farther from the recording in relative L2 than the live side's partitioned logits are
+    from its own: rounding, which another machine's compiler does differently, moves them that much.
     """
-    live, reference = _pair(case, backend, recorded, references)
-    params = _params(live, reference)
+    live, reference = recorded_pair(case, backend, recorded, references)
+    params = recorded_params(live, reference)
     batch = live.case.place(reference.batch())
     wide = reference.logits("forward/float32")
     names = (reference.name, live.name)
@@ -230,13 +114,15 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
         expected = reference.logits(f"forward/{name}")
         logits = host_array(side.forward(params, batch)[0]).astype(np.float32)
         tol = tolerance_for(dtype)
-        title = _title(live, reference, f"{name} forward")
+        title = against_title(live, reference, f"{name} forward")
         precise = None if name == "float32" else wide
         found = compare_arrays("logits", expected, logits, tol, precise)
         partitioned = None
         if found is not None:
-            other = _partitioned(side, case)
-            again = other.forward(_params(other, reference), other.case.place(reference.batch()))
+            other = partitioned_side(side, case)
+            again = other.forward(
+                recorded_params(other, reference), other.case.place(reference.batch())
+            )
             partitioned = host_array(again[0]).astype(np.float32)
             found = compare_arrays("logits", expected, logits, tol, precise, partitioned)
         beyond = ""
@@ -246,65 +132,8 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
         emit_verdict(title, "logits", expected, logits, found, names=names, tolerance=tol)
         if found is not None:
             text = report(f"{title} (index: batch, position, vocab)", [found], names)
-            spread = _beyond_spread(live, case, "the same forward")
-            _failed(live, reference, f"{text}\n  {spread}{beyond}")
-
-
-def _recorded_steps(
-    reference: RecordedSide, first: int, persistent: Mapping[str, str]
-) -> list[StepResult]:
-    """The recorded steps from ``first`` on; step 1 with its whole state, others without.
-
-    What ``persistent`` state cannot have (gradients, moments) is left out.
-    """
-    steps = []
-    for step in range(first, reference.steps + 1):
-        loss, grads = reference.step(step)
-        state = reference.state_after_first_step() if step == 1 else {}
-        grads, state = (_without_training(tree, persistent) for tree in (grads, state))
-        steps.append((state, loss, grads))
-    return steps
-
-
-def _step_parity(
-    case: Case,
-    live: Side,
-    reference: RecordedSide,
-    what: str,
-    start: Callable[[Side], Training],
-    first: int,
-) -> None:
-    """Steps ``first`` onward of ``start(live)`` on the recorded batch equal the recorded ones.
-
-    Only step 1 compares the whole state (the recording keeps no other). A step that
-    disagrees is compared again with the same steps run partitioned on ``case``'s mesh
-    (:func:`~conformance.checks.kernel.step_disagreement`'s ``spread``): XLA compiles
-    for the machine it runs on, so an element the live side does not compute the same way
-    twice (an ill-conditioned sum, a parameter Adam moves by its gradient's sign) may
-    differ from a recording made elsewhere by as much as its own runs differ here.
-    """
-    batch = live.case.place(reference.batch())
-    recorded = _recorded_steps(reference, first, _persistent(live))
-    training = start(live)
-    partitioned: list[StepResult] = []
-
-    def spread(step: int) -> StepResult:
-        if not partitioned:
-            side = _partitioned(live, case)
-            rerun, on_mesh = start(side), side.case.place(reference.batch())
-            partitioned.extend(rerun.advance(on_mesh) for _ in recorded)
-        state, loss, grads = partitioned[step - first]
-        return (state if step == 1 else {}, loss, grads)
-
-    for step, want in enumerate(recorded, start=first):
-        state, loss, grads = training.advance(batch)
-        got = (state if step == 1 else {}, loss, grads)
-        title = _title(live, reference, f"{what}, step {step} of {reference.steps}")
-        names = (reference.name, live.name)
-        message = step_disagreement(title, want, got, names, spread=functools.partial(spread, step))
-        if message is not None:
-            spread_note = _beyond_spread(live, case, "the same steps")
-            _failed(live, reference, f"{message}\n  Adam's noise steps set aside, {spread_note}")
+            spread = beyond_spread_note(live, case, "the same forward")
+            fail_against(live, reference, f"{text}\n  {spread}{beyond}")
 
 
 @_against_recorded()
@@ -314,13 +143,13 @@ def check_recorded_train_step(case: Case, backend: str, recorded: str, reference
     Every step's loss and gradients, and after step 1 the whole state (parameters, Adam
     moments, counts, the step counter).
     """
-    live, reference = _pair(case, backend, recorded, references)
-    _step_parity(
+    live, reference = recorded_pair(case, backend, recorded, references)
+    recorded_step_parity(
         case,
         live,
         reference,
         "train",
-        lambda side: Training.start(side, _params(side, reference)),
+        lambda side: Training.start(side, recorded_params(side, reference)),
         1,
     )
 
@@ -334,9 +163,9 @@ def _resumed(side: Side, reference: RecordedSide) -> Training:
     moved a variable out of the state would resume it from its initialiser. A parameter
     that became declared persistent state keeps its value and drops its optimizer moments.
     """
-    training = Training.start(side, _params(side, reference))
+    training = Training.start(side, recorded_params(side, reference))
     live = specs(flat_state(training.state))
-    state = side.own(_without_training(reference.state_after_first_step(), _persistent(side)))
+    state = side.own(without_training(reference.state_after_first_step(), persistent_state(side)))
     try:
         recorded = cast_counters(state, live)
     except CheckpointError as err:
@@ -368,9 +197,9 @@ def check_recorded_resume(case: Case, backend: str, recorded: str, references: P
     The recorded state after step 1 is placed into a fresh live state (every leaf,
     nothing left at its initialiser); steps 2 onward equal the recorded ones.
     """
-    live, reference = _pair(case, backend, recorded, references)
+    live, reference = recorded_pair(case, backend, recorded, references)
     resumed = "resumed from the recorded step 1"
-    _step_parity(case, live, reference, resumed, lambda side: _resumed(side, reference), 2)
+    recorded_step_parity(case, live, reference, resumed, lambda side: _resumed(side, reference), 2)
 
 
 @_against_recorded(capability="decode")
@@ -380,7 +209,7 @@ def check_recorded_decode(case: Case, backend: str, recorded: str, references: P
     Prefill logits on real prompt tokens, every decode step's logits, and the greedy
     tokens, for the same prompts (the family's batch must not have changed).
     """
-    live, reference = _pair(case, backend, recorded, references)
+    live, reference = recorded_pair(case, backend, recorded, references)
     decoded = reference.decoded()
     if decoded is None:
         fail(f"{reference.label} holds no decode: record it again")
@@ -389,7 +218,7 @@ def check_recorded_decode(case: Case, backend: str, recorded: str, references: P
         host_array(family.batch(config, BATCH_SIZE).tokens), reference.batch().tokens
     ):
         fail(f"{family.name}'s batch changed since {reference.label}: record it again")
-    generation = live.generate(_params(live, reference), decoded["steps"].shape[0])
+    generation = live.generate(recorded_params(live, reference), decoded["steps"].shape[0])
     expected = {
         "prefill": prompt_only(decoded["prefill"], decoded["lengths"]),
         "steps": decoded["steps"],
@@ -403,8 +232,8 @@ def check_recorded_decode(case: Case, backend: str, recorded: str, references: P
     names = (reference.name, live.name)
     mismatches = compare_trees(expected, got)
     if mismatches:
-        title = _title(live, reference, "prefill and decode")
-        _failed(live, reference, report(title, mismatches, names))
+        title = against_title(live, reference, "prefill and decode")
+        fail_against(live, reference, report(title, mismatches, names))
 
 
 @_against_recorded((Axis.FAMILY, Axis.QUANT, Axis.RECORDED), known_failure=_known_qwix_failure)
@@ -417,14 +246,14 @@ def check_recorded_quant_forward(case: Case, backend: str, recorded: str, refere
     another machine) pass, judged by how far a one-ulp nudge of the recorded parameters
     moves the live side.
     """
-    live, reference = _pair(case, backend, recorded, references)
+    live, reference = recorded_pair(case, backend, recorded, references)
     quant = live.case.quant
     expected = reference.logits(f"quant/{quant}")
     if expected is None:
         left_out = "; ".join(reference.reference.manifest.get("not_recorded", ()))
         fail(f"{reference.label} holds no {quant} logits ({left_out or 'not recorded'})")
     float_side = live.unquantized()
-    params = _params(float_side, reference)
+    params = recorded_params(float_side, reference)
     batch = live.case.place(reference.batch())
     logits = host_array(live.forward(live.runner.quantize(params), batch)[0])
     float_logits = (
@@ -435,7 +264,8 @@ def check_recorded_quant_forward(case: Case, backend: str, recorded: str, refere
     def rerun(nudged: Flat) -> jax.Array:
         return live.forward(live.runner.quantize(float_side.place(nudged)), batch)[0]
 
-    title = _title(live, reference, f"{quant} forward") + " (index: batch, position, vocab)"
+    title = against_title(live, reference, f"{quant} forward")
+    title += " (index: batch, position, vocab)"
     message = quantized_forwards(
         title,
         (reference.name, live.name),
@@ -446,4 +276,4 @@ def check_recorded_quant_forward(case: Case, backend: str, recorded: str, refere
         error_spread=RECORDED_ERROR_SPREAD,
     )
     if message is not None:
-        _failed(live, reference, message)
+        fail_against(live, reference, message)

@@ -12,6 +12,7 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
 * :mod:`~conformance.checks.kernel.steps`: train steps;
+* :mod:`~conformance.checks.kernel.recorded`: a live side against a recorded reference;
 * :mod:`~conformance.checks.kernel.variants`: a train step with a variant that must not
   change numerics (accumulation, a tiled loss) against the plain step;
 * :mod:`~conformance.checks.kernel.precision`: the dtypes each module computes in;
@@ -53,6 +54,17 @@ from conformance.checks.kernel.logits import (
     within_spread,
 )
 from conformance.checks.kernel.precision import precision_differences
+from conformance.checks.kernel.recorded import (
+    against_title,
+    beyond_spread_note,
+    fail_against,
+    partitioned_side,
+    persistent_state,
+    recorded_pair,
+    recorded_params,
+    recorded_step_parity,
+    without_training,
+)
 from conformance.checks.kernel.steps import (
     DROPOUT_RATE,
     STEPS,
@@ -72,42 +84,50 @@ from conformance.checks.kernel.steps import (
 from conformance.checks.kernel.variants import variant_parity
 
 __all__ = [
-    "PROGRAMS",
     "ActivationDifference",
     "ConstraintDifference",
     "DROPOUT_RATE",
-    "STEPS",
+    "PROGRAMS",
     "Program",
     "Rerun",
+    "STEPS",
     "activation_differences",
+    "against_title",
     "agreed_specs",
-    "compare_tables",
-    "constraint_differences",
-    "golden_table",
     "attributed",
     "attribution_text",
     "beyond_own_spread",
+    "beyond_spread_note",
+    "compare_tables",
     "compared",
+    "constraint_differences",
     "error_bound",
+    "fail_against",
     "forward_attribution",
-    "layout_rows",
+    "golden_table",
     "judged_disagreement",
+    "layout_rows",
     "leaf_group",
     "leaf_table",
     "misplaced",
     "nudged_reruns",
     "paired",
+    "partitioned_side",
+    "persistent_state",
     "precision_differences",
     "quantized_forwards",
+    "recorded_pair",
+    "recorded_params",
+    "recorded_step_parity",
     "rerun_note",
     "round_trip",
     "rounding_step",
     "shared_params",
     "spread_verdict",
-    "structure_problems",
     "step_disagreement",
     "step_tree",
     "steps_agree",
+    "structure_problems",
     "train_pair",
     "train_step_parity",
     "train_steps",
@@ -115,4 +135,5 @@ __all__ = [
     "unanswered",
     "variant_parity",
     "within_spread",
+    "without_training",
 ]
