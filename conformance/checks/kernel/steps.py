@@ -358,34 +358,46 @@ def twin_verdict(
     """Whether two steps in a lower compute dtype (bfloat16) differ by rounding only.
 
     ``twins`` are the same two steps in float32 compute, from the same parameters.
-    Accepted when the twins agree within the float32 policy, and each leaf of the second
-    step outside ``tolerance`` is within rounding of the first
-    (:func:`~conformance.core.rounding.within_rounding`: no farther from it in relative
-    L2 than twice the first's own distance from its float32 twin). Updated parameters
-    are compared where Adam's direction is not decided by the gradients' own difference
-    (:func:`~conformance.runtime.diagnose.attribution.noise_masked` with ``sign_noise``).
-    Needs no run beyond the float32 twins, which the same check in float32 compiles.
+    Accepted when the twins agree within the float32 policy and the steps are within
+    rounding of each other (:func:`step_rounding`, against the first step's twin). Needs
+    no run beyond the float32 twins, which the same check in float32 compiles.
     """
     if (disagree := _twins_disagree(twins)) is not None:
         return disagree
-    first, twin = step_tree(steps[0]), step_tree(twins[0])
+    verdict = step_rounding(steps, twins[0], tolerance)
+    return RoundingVerdict(verdict.accepted, f"the float32 steps agree; {verdict.text}")
+
+
+def step_rounding(
+    steps: tuple[StepResult, ...], twin: StepResult, tolerance: Tolerance
+) -> RoundingVerdict:
+    """Whether the second of two low-precision steps is within rounding of the first.
+
+    ``twin`` is the first step in float32 compute, from the same parameters. Accepted
+    when each leaf of the second step outside ``tolerance`` is within rounding of the
+    first (:func:`~conformance.core.rounding.within_rounding`: no farther from it in
+    relative L2 than twice the first's own distance from ``twin``). Updated parameters
+    are compared where Adam's direction is not decided by the gradients' own difference
+    (:func:`~conformance.runtime.diagnose.attribution.noise_masked` with ``sign_noise``).
+    """
+    first, twin_tree = step_tree(steps[0]), step_tree(twin)
     second = noise_masked(first, step_tree(steps[1]), sign_noise=True)[0]
     judged = []
     for path in sorted(m.path for m in compare_trees(first, second, tolerance)):
-        if not all(path in tree for tree in (first, second, twin)):
+        if not all(path in tree for tree in (first, second, twin_tree)):
             judged.append((float("inf"), path, RoundingVerdict(False, "not in both steps")))
             continue
-        rounding = relative_l2(first[path], twin[path])
+        rounding = relative_l2(first[path], twin_tree[path])
         closeness = relative_l2(second[path], first[path]) / max(rounding, np.finfo(float).tiny)
-        judged.append((closeness, path, within_rounding(first[path], second[path], twin[path])))
+        verdict = within_rounding(first[path], second[path], twin_tree[path])
+        judged.append((closeness, path, verdict))
     rejected = [f"{path}: {v.text}" for _, path, v in judged if not v.accepted]
     if rejected:
-        return _beyond_rounding("the float32 steps agree; of the leaves beyond tolerance", rejected)
+        return _beyond_rounding("of the leaves beyond tolerance", rejected)
     _, path, worst = max(judged, default=(0.0, "", RoundingVerdict(True, "")))
     return RoundingVerdict(
         True,
-        f"the float32 steps agree; of {len(judged)} leaf(s) beyond tolerance, the nearest "
-        f"its bound is {path}: {worst.text}",
+        f"of {len(judged)} leaf(s) beyond tolerance, the nearest its bound is {path}: {worst.text}",
     )
 
 
