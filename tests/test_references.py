@@ -15,6 +15,7 @@ from conformance.core.references import (
     ReferenceError,
     directory,
     encode,
+    extend,
     read,
     references_root,
     write,
@@ -108,9 +109,43 @@ def test_the_recorder_never_replaces_changed_numbers_silently(tmp_path, capsys, 
     assert (where / MANIFEST).read_text() == tampered
     assert record_main([*args, "--update"]) == 0
     assert capsys.readouterr().out.strip().endswith(": updated")
+    full = read(where)
+    older = {n: a for n, a in full.arrays.items() if not n.startswith("train_bfloat16/")}
+    write(where, Reference(full.manifest, older))  # as an earlier harness recorded it
+    assert record_main([*args, "--extend"]) == 0
+    assert capsys.readouterr().out.strip().endswith(": extended")
+    extended = read(where)
+    assert extended.arrays.keys() == full.arrays.keys()
+    assert [e["added"] for e in extended.manifest["extended"]] == [["train_bfloat16"]]
     assert record_main(["--family", "gpt3", "--backend", "nnx", "--goldens", str(goldens)]) == 2
     assert "would be unused" in capsys.readouterr().err
     assert not (where.parent / "nnx").exists()
+
+
+def test_extending_adds_only_what_is_missing_and_keeps_every_recorded_number():
+    params = {"params/w": np.ones(3, np.float32), "batch/tokens": np.arange(4, dtype=np.int32)}
+    recorded = Reference(
+        {"versions": {"jax": "old"}}, {**params, "train/1/loss": np.float32(2.0) * np.ones(())}
+    )
+    fresh = Reference(
+        {"versions": {"jax": "new"}},
+        {
+            **params,
+            "train/1/loss": np.float32(2.5) * np.ones(()),  # rounds otherwise on this machine
+            "train_bfloat16/1/loss": np.float32(2.25) * np.ones(()),
+        },
+    )
+    extended = extend(recorded, fresh)
+    assert extended.arrays["train/1/loss"] == 2.0
+    assert extended.arrays["train_bfloat16/1/loss"] == 2.25
+    assert extended.manifest["versions"] == {"jax": "old"}
+    assert extended.manifest["extended"] == [
+        {"added": ["train_bfloat16"], "versions": {"jax": "new"}}
+    ]
+    assert extend(extended, fresh) is extended
+    moved = Reference(fresh.manifest, {**fresh.arrays, "params/w": np.zeros(3, np.float32)})
+    with pytest.raises(ReferenceError, match="record it again with --update"):
+        extend(recorded, moved)
 
 
 RENAMED = "layers/0/mlp/wi/kernel"

@@ -1,7 +1,7 @@
 """Record the references a family declares: what one backend computes, kept as files.
 
 Usage: ``python -m conformance.record [--family NAME ...] [--backend {linen,nnx}]
-[--goldens DIR] [--update]``. Each family (default: every registered family that
+[--goldens DIR] [--update | --extend]``. Each family (default: every registered family that
 declares ``Recorded`` references) is run on one CPU device from each backend it
 declares (or only ``--backend``), and its reference is written to
 ``<goldens>/references/<family>/<backend>/``, where ``<goldens>`` is the directory
@@ -10,8 +10,11 @@ the family ships its own in (:attr:`~conformance.contract.Family.goldens`), else
 
 A reference is reviewed like a golden, so this never changes one silently: a new
 reference is written, an identical one is left as it is, and one that would change is
-refused unless ``--update`` is given (then explain the change in the commit). Only the
-references asked for are touched; nothing is ever deleted.
+refused unless ``--update`` is given (then explain the change in the commit). With
+``--extend`` a reference recorded by an earlier harness, which records less, gains only
+what it lacks (bfloat16 train steps, say), computed from its own parameters and batch:
+every recorded number is kept, and the manifest says what was added with which versions.
+Only the references asked for are touched; nothing is ever deleted.
 """
 
 from __future__ import annotations
@@ -47,8 +50,14 @@ def parser() -> argparse.ArgumentParser:
         help="record only this backend; default: each the family declares",
     )
     add_goldens(cli)
-    cli.add_argument(
+    change = cli.add_mutually_exclusive_group()
+    change.add_argument(
         "--update", action="store_true", help="replace references whose numbers changed"
+    )
+    change.add_argument(
+        "--extend",
+        action="store_true",
+        help="add only what a reference lacks, keeping every recorded number",
     )
     cli.add_argument("--xla-opt", choices=XLA_OPT_LEVELS, default="low")
     return cli
@@ -61,7 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     set_xla_opt(args.xla_opt)
     set_matmul_precision()
     from conformance import contract
-    from conformance.core.references import ARRAYS, directory, encode, references_root, write
+    from conformance.core.references import (
+        ARRAYS,
+        ReferenceError,
+        directory,
+        encode,
+        extend,
+        read,
+        references_root,
+        write,
+    )
     from conformance.core.roots import Goldens, installed
     from conformance.runtime.recording import record
 
@@ -99,11 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         for backend in backends:
             where = directory(references_root(root), family.name, backend)
             reference = record(family, backend)
+            if args.extend and (where / ARRAYS).is_file():
+                try:
+                    reference = extend(read(where), reference)
+                except ReferenceError as err:
+                    refused += 1
+                    print(f"{where}: not extended: {err}")
+                    continue
             files = encode(reference)
             old = {n: (where / n).read_bytes() for n in files if (where / n).is_file()}
             if old == files:
                 print(f"{where}: unchanged")
-            elif old and not args.update:
+            elif old and not (args.update or args.extend):
                 refused += 1
                 what = "numbers" if old.get(ARRAYS) != files[ARRAYS] else "manifest"
                 print(
@@ -112,5 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             else:
                 write(where, reference)
-                print(f"{where}: {'updated' if old else 'new'}")
+                done = "extended" if args.extend and old else "updated" if old else "new"
+                print(f"{where}: {done}")
     return 1 if refused else 0

@@ -135,3 +135,40 @@ def read(path: Path) -> Reference:
             )
     manifest.pop("arrays")
     return Reference(manifest, arrays)
+
+
+INPUTS = ("params/", "batch/")
+"""Name prefixes of the arrays a reference computed from (its parameters and batch)."""
+
+
+def extend(recorded: Reference, fresh: Reference) -> Reference:
+    """``recorded`` with the arrays only ``fresh`` holds added, and nothing else changed.
+
+    For a reference recorded by an earlier harness that records less: every recorded
+    array and manifest field is kept as it was; the manifest's ``extended`` list gains
+    what was added (the names' first components) and the library versions that computed
+    it. Raises :class:`ReferenceError` when the two were not computed from the same
+    inputs (:data:`INPUTS`), since the added numbers would not belong with the rest.
+    Returns ``recorded`` itself when ``fresh`` adds nothing.
+    """
+    inputs = [
+        {n: a for n, a in ref.arrays.items() if n.startswith(INPUTS)} for ref in (recorded, fresh)
+    ]
+    same = inputs[0].keys() == inputs[1].keys() and all(
+        np.array_equal(inputs[0][n], inputs[1][n]) for n in inputs[0]
+    )
+    if not same:
+        raise ReferenceError(
+            "the recorded parameters or batch differ from those the recorder starts from "
+            "now, so new numbers cannot be added to the old: record it again with --update"
+        )
+    added = {n: a for n, a in fresh.arrays.items() if n not in recorded.arrays}
+    if not added:
+        return recorded
+    manifest = dict(recorded.manifest)
+    entry = {
+        "added": sorted({n.split("/", 1)[0] for n in added}),
+        "versions": fresh.manifest.get("versions", {}),
+    }
+    manifest["extended"] = [*manifest.get("extended", []), entry]
+    return Reference(manifest, {**recorded.arrays, **added})

@@ -26,7 +26,7 @@ from conformance.contract import Batch, Family, upgrade_reference
 from conformance.core.environment import library_versions
 from conformance.core.references import Reference, ReferenceError, directory, read
 from conformance.core.trees import Flat
-from conformance.runtime.recording import FORMAT
+from conformance.runtime.recording import FORMAT, train_prefix
 from conformance.runtime.sides import SIDES
 
 RECORD_COMMAND = "python -m conformance.record"
@@ -102,10 +102,17 @@ class RecordedSide:
         """Train steps recorded."""
         return int(self.reference.manifest["train_steps"])
 
-    def step(self, step: int) -> tuple[Any, Flat]:
-        """Step ``step``'s ``(loss, grads)``, gradients in current canonical paths."""
-        arrays = self.reference.arrays
-        return arrays[f"train/{step}/loss"], self._upgraded(_under(arrays, f"train/{step}/grads"))
+    def trained_in(self, dtype: str = "float32") -> bool:
+        """Whether it holds train steps in compute dtype ``dtype`` (``float32``, ``bfloat16``).
+
+        A reference recorded before bfloat16 steps were recorded holds float32 only.
+        """
+        return f"{train_prefix(dtype)}/1/loss" in self.reference.arrays
+
+    def step(self, step: int, dtype: str = "float32") -> tuple[Any, Flat]:
+        """Step ``step``'s ``(loss, grads)`` in compute ``dtype``, in current canonical paths."""
+        arrays, prefix = self.reference.arrays, f"{train_prefix(dtype)}/{step}"
+        return arrays[f"{prefix}/loss"], self._upgraded(_under(arrays, f"{prefix}/grads"))
 
     def state_as_recorded(self) -> Flat:
         """The whole train state after step 1 as recorded: the recording release's paths."""

@@ -10,6 +10,8 @@ one device (a reference must not depend on the mesh it was made on) and keeps:
   steps, and ``train/1/state/<path>``: the whole train state after the first step (the
   one-step checkpoint a later release must resume from), with each leaf's kind in the
   manifest (``state_kinds``: ``Param``, ``OptState``, or a Variable type's name);
+* ``train_bfloat16/<step>/loss`` and ``train_bfloat16/<step>/grads/<path>``: the same
+  steps in bfloat16 compute (float32 parameters and optimizer state);
 * ``decode/...``: the prompt lengths, prefill logits, each decode step's logits and
   the greedy tokens, for a family that decodes;
 * ``quant/<mode>``: the quantized logits of every Qwix mode it declares, except those
@@ -48,7 +50,13 @@ DECODE_STEPS = 8
 """Greedy decode steps recorded after prefill."""
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-"""Compute dtypes whose forward logits are recorded, by name."""
+"""Compute dtypes whose forward logits and train steps are recorded, by name."""
+
+
+def train_prefix(dtype: str) -> str:
+    """Where the train steps in compute dtype ``dtype`` (a name of :data:`DTYPES`) are kept."""
+    return "train" if dtype == "float32" else f"train_{dtype}"
+
 
 ONE_DEVICE = one_device(MeshSpec((("data", 1),)))
 """The mesh every reference is recorded on."""
@@ -83,6 +91,21 @@ def _decode(side: Side, params: Flat) -> dict[str, np.ndarray]:
     )
 
 
+def _trained(side: Side, params: Flat, batch: Any) -> dict[str, np.ndarray]:
+    """:data:`TRAIN_STEPS` steps in each compute dtype; the state after step 1 in float32."""
+    arrays = {}
+    for name, dtype in DTYPES.items():
+        training = Training.start(side.on(side.case.in_dtype(dtype)), params)
+        prefix = train_prefix(name)
+        for step in range(1, TRAIN_STEPS + 1):
+            state, loss, grads = training.advance(batch)
+            arrays |= _host({"loss": loss}, f"{prefix}/{step}")
+            arrays |= _host(grads, f"{prefix}/{step}/grads")
+            if step == 1 and dtype == jnp.float32:
+                arrays |= _host(state, f"{prefix}/1/state")
+    return arrays
+
+
 def _quantized(side: Side, params: Flat, batch: Any) -> tuple[dict[str, np.ndarray], list[str]]:
     case = side.case
     arrays, left_out = {}, []
@@ -106,12 +129,7 @@ def record(family: Family, backend: str) -> Reference:
     arrays |= _host(dataclasses.asdict(batch), "batch")
     for name, dtype in DTYPES.items():
         arrays |= _host({name: side.on(case.in_dtype(dtype)).forward(params, batch)[0]}, "forward")
-    training = Training.start(side, params)
-    for step in range(1, TRAIN_STEPS + 1):
-        state, loss, grads = training.advance(batch)
-        arrays |= _host({"loss": loss}, f"train/{step}") | _host(grads, f"train/{step}/grads")
-        if step == 1:
-            arrays |= _host(state, "train/1/state")
+    arrays |= _trained(side, params, batch)
     if supports(family, "decode"):
         arrays |= _decode(side, params)
     quantized, left_out = _quantized(side, params, batch)
@@ -129,7 +147,7 @@ def record(family: Family, backend: str) -> Reference:
         "train_steps": TRAIN_STEPS,
         "decode_steps": DECODE_STEPS if supports(family, "decode") else 0,
         "not_recorded": left_out,
-        "state_kinds": side.canonical(training.trainer.kinds),
+        "state_kinds": side.canonical(side.trainer().kinds),
         "tolerance": "compared under the harness's float32 / bfloat16 tolerance policy",
     }
     return Reference(manifest, arrays)

@@ -6,6 +6,7 @@ reference recorded from Linen; the report must name the recording it was compare
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from conformance.families import PersistentState, with_features
@@ -14,6 +15,7 @@ from conformance_models.gpt3.family import Gpt3Family
 from tests.faults.decode import _index_off_by_one
 from tests.faults.fault import Fault, Llama
 from tests.faults.forward import NormEpsilon
+from tests.faults.precision import Bfloat16OnlyEpsilon
 from tests.faults.quantization import QuantizesOnlyFirstNnxBlock
 from tests.faults.training import StrayCounterBesideRngs, unmasked_loss
 
@@ -56,6 +58,31 @@ FAULTS = (
         (_AGAINST, "train, step 1 of 3 on one device", "loss:"),
         seams={"nnx_loss": unmasked_loss},
         params=_NNX,
+    ),
+    Fault(
+        Llama(),
+        "recorded_train_step",
+        (
+            _AGAINST,
+            "train, step 1 of 3 on one device (bfloat16 compute)",
+            "grads/lm_head/kernel:",
+            "differ more than rounding moves them",
+        ),
+        seams={"nnx_loss": unmasked_loss},
+        params=_NNX,
+        dtype=jnp.bfloat16,
+    ),
+    Fault(
+        Bfloat16OnlyEpsilon(),
+        "recorded_train_step",
+        (
+            _AGAINST,
+            "train, step 1 of 3 on one device (bfloat16 compute)",
+            "grads/layers/1/mlp_norm/scale:",
+            "differ more than rounding moves them",
+        ),
+        params=_NNX,
+        dtype=jnp.bfloat16,
     ),
     Fault(
         StrayCounterBesideRngs(),

@@ -15,9 +15,12 @@ import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from conformance.checks.kernel.steps import step_disagreement
+import jax.numpy as jnp
+
+from conformance.checks.kernel.steps import judged_disagreement, step_rounding
 from conformance.contract import persistent_types
 from conformance.core.failure import fail, fail_if_any
+from conformance.core.numerics import tolerance_for
 from conformance.core.trees import Flat, mirrored_param
 from conformance.runtime.case import Case
 from conformance.runtime.recorded import RECORD_COMMAND, MissingReference, RecordedSide, load
@@ -156,16 +159,18 @@ def beyond_spread_note(side: Side, case: Case, what: str) -> str:
 
 
 def _recorded_steps(
-    reference: RecordedSide, first: int, persistent: Mapping[str, str]
+    reference: RecordedSide, first: int, persistent: Mapping[str, str], dtype: str
 ) -> list[StepResult]:
-    """The recorded steps from ``first`` on; step 1 with its whole state, others without.
+    """The recorded steps in compute ``dtype`` from ``first`` on.
 
+    Step 1 in float32 with its whole state, others without (none other is recorded).
     What ``persistent`` state cannot have (gradients, moments) is left out.
     """
     steps = []
     for step in range(first, reference.steps + 1):
-        loss, grads = reference.step(step)
-        state = reference.state_after_first_step() if step == 1 else {}
+        loss, grads = reference.step(step, dtype)
+        whole = step == 1 and dtype == "float32"
+        state = reference.state_after_first_step() if whole else {}
         grads, state = (without_training(tree, persistent) for tree in (grads, state))
         steps.append((state, loss, grads))
     return steps
@@ -181,15 +186,30 @@ def recorded_step_parity(
 ) -> None:
     """Steps ``first`` onward of ``start(live)`` on the recorded batch equal the recorded ones.
 
-    Only step 1 compares the whole state (the recording keeps no other). A step that
-    disagrees is compared again with the same steps run partitioned on ``case``'s mesh
+    In ``live``'s compute dtype; only float32's step 1 compares the whole state (the
+    recording keeps no other). A step that disagrees is compared again with the same
+    steps run partitioned on ``case``'s mesh
     (:func:`~conformance.checks.kernel.step_disagreement`'s ``spread``): XLA compiles
     for the machine it runs on, so an element the live side does not compute the same way
     twice (an ill-conditioned sum, a parameter Adam moves by its gradient's sign) may
-    differ from a recording made elsewhere by as much as its own runs differ here.
+    differ from a recording made elsewhere by as much as its own runs differ here. Below
+    float32 a step beyond that dtype's policy passes when it is within rounding of the
+    recorded one (:func:`~conformance.checks.kernel.step_rounding`, against the recorded
+    float32 step); float32 itself is the float32 case's to judge.
     """
+    dtype = jnp.dtype(live.case.dtype).name
+    if not reference.trained_in(dtype):
+        family = reference.family.name
+        fail(
+            f"{reference.label} holds no train steps in {dtype} compute (recorded by an "
+            f"earlier harness): add them with {RECORD_COMMAND} --family {family} "
+            f"--backend {reference.backend} --extend"
+        )
+    persistent = persistent_state(live)
+    recorded = _recorded_steps(reference, first, persistent, dtype)
+    twins = None if dtype == "float32" else _recorded_steps(reference, first, persistent, "float32")
+    tolerance = None if twins is None else tolerance_for(live.case.dtype)
     batch = live.case.place(reference.batch())
-    recorded = _recorded_steps(reference, first, persistent_state(live))
     training = start(live)
     partitioned: list[StepResult] = []
 
@@ -199,14 +219,29 @@ def recorded_step_parity(
             rerun, on_mesh = start(side), side.case.place(reference.batch())
             partitioned.extend(rerun.advance(on_mesh) for _ in recorded)
         state, loss, grads = partitioned[step - first]
-        return (state if step == 1 else {}, loss, grads)
+        return (state if step == 1 and twins is None else {}, loss, grads)
 
-    for step, want in enumerate(recorded, start=first):
+    for index, want in enumerate(recorded):
+        step = first + index
         state, loss, grads = training.advance(batch)
-        got = (state if step == 1 else {}, loss, grads)
+        got = (state if step == 1 and twins is None else {}, loss, grads)
         title = against_title(live, reference, f"{what}, step {step} of {reference.steps}")
+        if twins is not None:
+            title += f" ({dtype} compute)"
         names = (reference.name, live.name)
-        message = step_disagreement(title, want, got, names, spread=functools.partial(spread, step))
+        judge = None
+        if twins is not None:
+            twin = ({}, *twins[index][1:])
+            judge = functools.partial(step_rounding, (want, got), twin, tolerance)
+        message = judged_disagreement(
+            title,
+            want,
+            got,
+            names,
+            judge=judge,
+            tolerance=tolerance,
+            spread=functools.partial(spread, step),
+        )
         if message is not None:
             spread_note = beyond_spread_note(live, case, "the same steps")
             fail_against(
