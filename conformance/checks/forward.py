@@ -35,9 +35,10 @@ from conformance.core.numerics import (
     tolerance_for,
 )
 from conformance.core.records import emit, emit_verdict, listening, measure
+from conformance.core.rounding import RoundingVerdict, twins_disagree, within_rounding
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.localise import Divergence, localise
-from conformance.runtime.sides import LinenSide, Side, live_pair, live_sides
+from conformance.runtime.sides import Side, live_pair, live_sides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,8 @@ def check_forward(case: Case) -> None:
     outside tolerance passes when NNX is no farther than Linen from Linen's float32
     result from the same parameters (the policy's tie-break), and logits pass when the
     sides agree on one device and each moves on the mesh by as much as they differ
-    (rounding inside two partitioned programs, see ``docs/tolerances.md``).
+    (rounding inside two partitioned programs, see ``docs/tolerances.md``), or when the
+    float32 forwards agree and NNX is within rounding of Linen (:func:`_rounding`).
     """
     linen, nnx_ = live_pair(case)
     paired(linen, nnx_)
@@ -112,24 +114,31 @@ def check_forward(case: Case) -> None:
         "NNX params -> Linen": (linen.receive(nnx_own, nnx_), nnx_own),
     }
     compared = []
+    lower = case.dtype != jnp.float32
     for direction, (linen_params, nnx_params) in directions.items():
         a = ForwardResult(*linen.forward(linen_params, batch))
         b = ForwardResult(*nnx_.forward(nnx_params, batch))
         tol = tolerance_for(a.logits.dtype)
         found = compare_arrays("logits", a.logits, b.logits, tol)
-        moved = None
-        if found is not None and case.dtype != jnp.float32:
-            wider = LinenSide(case.in_dtype(jnp.float32))
-            ref = wider.forward(linen_params, batch)[0]
-            found = compare_arrays("logits", a.logits, b.logits, tol, reference=ref)
-        if found is not None and case.dtype != jnp.float32:
+        moved, rounding = None, None
+        twins = (linen_params, nnx_params)
+        if found is not None and lower:
+            twins = tuple(
+                side.forward(params, batch)[0]
+                for side, params in zip(live_pair(case.in_dtype(jnp.float32)), twins, strict=True)
+            )
+            found = compare_arrays("logits", a.logits, b.logits, tol, reference=twins[0])
+        if found is not None and lower:
             params = (linen_params, nnx_params)
             moved = forward_attribution(linen, nnx_, (a.logits, b.logits), params)
             found = None if within_spread(moved) else found
+        if found is not None and lower:
+            rounding = _rounding((a.logits, b.logits), twins)
+            found = None if rounding.accepted else found
         _measure_forward(f"{direction} on mesh {case.mesh.id}", a, b, tol, found)
-        compared.append((direction, linen_params, nnx_params, a, b, tol, found, moved))
+        compared.append((direction, linen_params, nnx_params, a, b, tol, found, moved, rounding))
     # Both directions are measured first; the first that disagrees is the verdict.
-    for direction, linen_params, nnx_params, a, b, tol, found, moved in compared:
+    for direction, linen_params, nnx_params, a, b, tol, found, moved, rounding in compared:
         if found is None:
             continue
         rules = case.family.path_rules(case.bound)
@@ -151,8 +160,21 @@ def check_forward(case: Case) -> None:
         fail(
             report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
             + f"\n  {where}\n  {attribution_text(moved)}"
+            + ("" if rounding is None else f"\n  bfloat16 rounding: {rounding.text}")
             + _precision_note(case, linen, nnx_, batch, rules)
         )
+
+
+def _rounding(logits: tuple[Any, Any], twins: tuple[Any, Any]) -> RoundingVerdict:
+    """Whether low-precision ``logits`` (Linen's, NNX's) differ by rounding only.
+
+    ``twins`` are the same forwards in float32 compute. Accepted when the twins agree
+    within the float32 policy and NNX is within rounding of Linen
+    (:func:`~conformance.core.rounding.within_rounding`, against Linen's float32 logits).
+    """
+    carried = "a divergence the lower precision carries, not rounding"
+    pair = ({"logits": twins[0]}, {"logits": twins[1]})
+    return twins_disagree("float32 forwards", pair, carried) or within_rounding(*logits, twins[0])
 
 
 def _precision_note(case: Case, linen: Side, nnx_: Side, batch: Batch, rules: PathRules) -> str:

@@ -61,6 +61,16 @@ IN_BFLOAT16 = frozenset({"decode", "decode_consistency", "grad_accumulation"})
 the unchanged models, and the variants' float32 numbers are covered by ``forward`` and
 ``train_step``."""
 
+IN_BOTH = frozenset({"forward"})
+"""Checks a variant runs in float32 and in bfloat16 compute."""
+
+
+def dtypes_of(check: str) -> tuple[Any, ...]:
+    """The compute dtypes a variant runs ``check`` in."""
+    if check in IN_BOTH:
+        return (jnp.float32, jnp.bfloat16)
+    return (jnp.bfloat16,) if check in IN_BFLOAT16 else (jnp.float32,)
+
 
 _FUSED_PTQ = (
     "rightly seen: Qwix's PTQ stores a kernel as qvalue and scale only where a dot_general "

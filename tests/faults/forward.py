@@ -44,6 +44,19 @@ def _residual_in_bfloat16(self: llama_nnx.Block, x: jax.Array, *args, **kwargs) 
     return _block_call(self, x, *args, **kwargs).astype(jnp.bfloat16)
 
 
+class Bfloat16OnlyEpsilon(LlamaFamily):
+    """Under bfloat16 compute only, NNX block 1's MLP RMSNorm epsilon is 1.0.
+
+    A config path one dtype takes: the float32 steps agree, the bfloat16 ones do not.
+    """
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        if config.dtype == jnp.bfloat16:
+            model.layers[1].mlp_norm.eps = 1.0
+        return model
+
+
 class ToyNormEpsilon(ToyMinimal):
     """A third-party family that sows nothing: NNX block 1's LayerNorm epsilon is 1e-2."""
 
@@ -121,6 +134,28 @@ FAULTS = (
             "precision differs: layers_0 (NNX layers/0): NNX rounds float32 -> bfloat16",
         ),
         model_patch=(llama_nnx.Block, "__call__", _residual_in_bfloat16),
+    ),
+    Fault(
+        RopeBase(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: layers_0/attn (NNX layers/0/attn), __call__",
+            "bfloat16 rounding: the float32 forwards disagree too",
+            "a divergence the lower precision carries, not rounding",
+        ),
+        dtype=jnp.bfloat16,
+    ),
+    Fault(
+        Bfloat16OnlyEpsilon(),
+        "forward",
+        (
+            "logits:",
+            "first divergent module: layers_1/mlp_norm (NNX layers/1/mlp_norm)",
+            "bfloat16 rounding:",
+            "farther than rounding moves it",
+        ),
+        dtype=jnp.bfloat16,
     ),
     Fault(
         ToyNormEpsilon(),

@@ -18,7 +18,7 @@ from conformance_models.llama import nnx_model as llama_nnx
 from conformance_models.llama.family import LlamaFamily
 from tests.benign.variants import attention_with, jax_attention
 from tests.faults.fault import Fault
-from tests.faults.forward import NormEpsilon, SilentBfloat16
+from tests.faults.forward import Bfloat16OnlyEpsilon, NormEpsilon, SilentBfloat16
 
 
 def _softmax_in_compute_dtype(
@@ -44,19 +44,6 @@ def _norm_returns_float32(self: llama_nnx.RMSNorm, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
     return y * self.scale[...].astype(jnp.float32)
-
-
-class Bfloat16OnlyEpsilon(LlamaFamily):
-    """Under bfloat16 compute only, NNX block 1's MLP RMSNorm epsilon is 1.0.
-
-    A config path one dtype takes: the float32 steps agree, the bfloat16 ones do not.
-    """
-
-    def nnx_module(self, config, rngs):
-        model = super().nnx_module(config, rngs)
-        if config.dtype == jnp.bfloat16:
-            model.layers[1].mlp_norm.eps = 1.0
-        return model
 
 
 class StaleAcceptance(LlamaFamily):

@@ -14,8 +14,7 @@ from conformance_models import nnx_layers
 from conformance_models.gpt3.family import Gpt3Family
 from tests.faults.decode import _index_off_by_one
 from tests.faults.fault import Fault, Llama
-from tests.faults.forward import NormEpsilon
-from tests.faults.precision import Bfloat16OnlyEpsilon
+from tests.faults.forward import Bfloat16OnlyEpsilon, NormEpsilon
 from tests.faults.quantization import QuantizesOnlyFirstNnxBlock
 from tests.faults.training import StrayCounterBesideRngs, unmasked_loss
 
