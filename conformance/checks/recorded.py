@@ -136,7 +136,7 @@ def check_recorded_forward(case: Case, backend: str, recorded: str, references: 
             fail_against(live, reference, f"{text}\n  {spread}{beyond}")
 
 
-@_against_recorded((Axis.FAMILY, Axis.RECORDED, Axis.DTYPE))
+@_against_recorded((Axis.FAMILY, Axis.DTYPE, Axis.RECORDED))
 def check_recorded_train_step(case: Case, backend: str, recorded: str, references: Path) -> None:
     """Train steps from the recorded parameters equal the recorded ones.
 
