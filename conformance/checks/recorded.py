@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from conformance.checks.declare import Axis, F, Param, declare
@@ -42,6 +43,7 @@ from conformance.checks.kernel import (
     recorded_pair,
     recorded_params,
     recorded_step_parity,
+    require_training,
     without_training,
 )
 from conformance.contract import preferred_layout
@@ -165,9 +167,12 @@ def _resumed(side: Side, reference: RecordedSide) -> Training:
     moved a variable out of the state would resume it from its initialiser. A parameter
     that became declared persistent state keeps its value and drops its optimizer moments.
     """
+    dtype = jnp.dtype(side.case.dtype).name
+    require_training(reference, dtype, state=True)
     training = Training.start(side, recorded_params(side, reference))
     live = specs(flat_state(training.state))
-    state = side.own(without_training(reference.state_after_first_step(), persistent_state(side)))
+    recorded_state = reference.state_after_first_step(dtype)
+    state = side.own(without_training(recorded_state, persistent_state(side)))
     try:
         recorded = cast_counters(state, live)
     except CheckpointError as err:
@@ -192,12 +197,13 @@ def _resumed(side: Side, reference: RecordedSide) -> Training:
     return training
 
 
-@_against_recorded()
+@_against_recorded((Axis.FAMILY, Axis.DTYPE, Axis.RECORDED))
 def check_recorded_resume(case: Case, backend: str, recorded: str, references: Path) -> None:
     """A live train state restored from the recorded one-step state continues as recorded.
 
     The recorded state after step 1 is placed into a fresh live state (every leaf,
-    nothing left at its initialiser); steps 2 onward equal the recorded ones.
+    nothing left at its initialiser); steps 2 onward equal the recorded ones. In float32
+    and in bfloat16 compute, each from the state recorded in that dtype.
     """
     live, reference = recorded_pair(case, backend, recorded, references)
     resumed = "resumed from the recorded step 1"

@@ -102,29 +102,33 @@ class RecordedSide:
         """Train steps recorded."""
         return int(self.reference.manifest["train_steps"])
 
-    def trained_in(self, dtype: str = "float32") -> bool:
+    def trained_in(self, dtype: str = "float32", *, state: bool = False) -> bool:
         """Whether it holds train steps in compute dtype ``dtype`` (``float32``, ``bfloat16``).
 
-        A reference recorded before bfloat16 steps were recorded holds float32 only.
+        With ``state``: and the whole state after step 1. A reference recorded before
+        bfloat16 steps were recorded holds float32 only.
         """
-        return f"{train_prefix(dtype)}/1/loss" in self.reference.arrays
+        prefix = train_prefix(dtype)
+        arrays = self.reference.arrays
+        held = f"{prefix}/1/loss" in arrays
+        return held and (not state or any(n.startswith(f"{prefix}/1/state/") for n in arrays))
 
     def step(self, step: int, dtype: str = "float32") -> tuple[Any, Flat]:
         """Step ``step``'s ``(loss, grads)`` in compute ``dtype``, in current canonical paths."""
         arrays, prefix = self.reference.arrays, f"{train_prefix(dtype)}/{step}"
         return arrays[f"{prefix}/loss"], self._upgraded(_under(arrays, f"{prefix}/grads"))
 
-    def state_as_recorded(self) -> Flat:
-        """The whole train state after step 1 as recorded: the recording release's paths."""
-        return _under(self.reference.arrays, "train/1/state")
+    def state_as_recorded(self, dtype: str = "float32") -> Flat:
+        """The whole train state after step 1 in compute ``dtype``, in the recording's paths."""
+        return _under(self.reference.arrays, f"{train_prefix(dtype)}/1/state")
 
-    def state_after_first_step(self) -> Flat:
-        """The whole train state after step 1, in current canonical paths.
+    def state_after_first_step(self, dtype: str = "float32") -> Flat:
+        """The whole train state after step 1 in compute ``dtype``, in current canonical paths.
 
         Each parameter-shaped slot (``model/``, each optimizer moment) is upgraded on its
         own; other leaves (counts, the step counter) are kept as recorded.
         """
-        state = self.state_as_recorded()
+        state = self.state_as_recorded(dtype)
         slots: dict[str, Flat] = {}
         rest = {}
         for path, value in state.items():

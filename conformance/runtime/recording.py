@@ -10,8 +10,9 @@ one device (a reference must not depend on the mesh it was made on) and keeps:
   steps, and ``train/1/state/<path>``: the whole train state after the first step (the
   one-step checkpoint a later release must resume from), with each leaf's kind in the
   manifest (``state_kinds``: ``Param``, ``OptState``, or a Variable type's name);
-* ``train_bfloat16/<step>/loss`` and ``train_bfloat16/<step>/grads/<path>``: the same
-  steps in bfloat16 compute (float32 parameters and optimizer state);
+* ``train_bfloat16/<step>/loss``, ``train_bfloat16/<step>/grads/<path>`` and
+  ``train_bfloat16/1/state/<path>``: the same in bfloat16 compute (float32 parameters
+  and optimizer state);
 * ``decode/...``: the prompt lengths, prefill logits, each decode step's logits and
   the greedy tokens, for a family that decodes;
 * ``quant/<mode>``: the quantized logits of every Qwix mode it declares, except those
@@ -92,7 +93,7 @@ def _decode(side: Side, params: Flat) -> dict[str, np.ndarray]:
 
 
 def _trained(side: Side, params: Flat, batch: Any) -> dict[str, np.ndarray]:
-    """:data:`TRAIN_STEPS` steps in each compute dtype; the state after step 1 in float32."""
+    """:data:`TRAIN_STEPS` steps and the state after step 1, in each compute dtype."""
     arrays = {}
     for name, dtype in DTYPES.items():
         training = Training.start(side.on(side.case.in_dtype(dtype)), params)
@@ -101,7 +102,7 @@ def _trained(side: Side, params: Flat, batch: Any) -> dict[str, np.ndarray]:
             state, loss, grads = training.advance(batch)
             arrays |= _host({"loss": loss}, f"{prefix}/{step}")
             arrays |= _host(grads, f"{prefix}/{step}/grads")
-            if step == 1 and dtype == jnp.float32:
+            if step == 1:
                 arrays |= _host(state, f"{prefix}/1/state")
     return arrays
 

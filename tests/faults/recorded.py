@@ -103,6 +103,17 @@ FAULTS = (
         params=_NNX,
     ),
     Fault(
+        Bfloat16OnlyEpsilon(),
+        "recorded_resume",
+        (
+            _AGAINST,
+            "resumed from the recorded step 1, step 2 of 3 on one device (bfloat16 compute)",
+            "differ more than rounding moves them",
+        ),
+        params=_NNX,
+        dtype=jnp.bfloat16,
+    ),
+    Fault(
         Llama(),
         "recorded_decode",
         (_AGAINST, "prefill and decode on one device", "steps:"),

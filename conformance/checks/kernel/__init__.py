@@ -63,6 +63,7 @@ from conformance.checks.kernel.recorded import (
     recorded_pair,
     recorded_params,
     recorded_step_parity,
+    require_training,
     without_training,
 )
 from conformance.checks.kernel.steps import (
@@ -120,6 +121,7 @@ __all__ = [
     "recorded_pair",
     "recorded_params",
     "recorded_step_parity",
+    "require_training",
     "rerun_note",
     "round_trip",
     "rounding_step",

@@ -158,6 +158,21 @@ def beyond_spread_note(side: Side, case: Case, what: str) -> str:
     )
 
 
+def require_training(reference: RecordedSide, dtype: str, *, state: bool = False) -> None:
+    """Fail unless ``reference`` holds train steps in compute ``dtype``.
+
+    With ``state``, the whole state after step 1 too. The failure names the command that
+    adds them to a reference an earlier harness recorded.
+    """
+    if not reference.trained_in(dtype, state=state):
+        what = "train state" if state else "train steps"
+        fail(
+            f"{reference.label} holds no {what} in {dtype} compute (recorded by an earlier "
+            f"harness): add them with {RECORD_COMMAND} --family {reference.family.name} "
+            f"--backend {reference.backend} --extend"
+        )
+
+
 def _recorded_steps(
     reference: RecordedSide, first: int, persistent: Mapping[str, str], dtype: str
 ) -> list[StepResult]:
@@ -170,7 +185,7 @@ def _recorded_steps(
     for step in range(first, reference.steps + 1):
         loss, grads = reference.step(step, dtype)
         whole = step == 1 and dtype == "float32"
-        state = reference.state_after_first_step() if whole else {}
+        state = reference.state_after_first_step(dtype) if whole else {}
         grads, state = (without_training(tree, persistent) for tree in (grads, state))
         steps.append((state, loss, grads))
     return steps
@@ -198,13 +213,7 @@ def recorded_step_parity(
     float32 step); float32 itself is the float32 case's to judge.
     """
     dtype = jnp.dtype(live.case.dtype).name
-    if not reference.trained_in(dtype):
-        family = reference.family.name
-        fail(
-            f"{reference.label} holds no train steps in {dtype} compute (recorded by an "
-            f"earlier harness): add them with {RECORD_COMMAND} --family {family} "
-            f"--backend {reference.backend} --extend"
-        )
+    require_training(reference, dtype)
     persistent = persistent_state(live)
     recorded = _recorded_steps(reference, first, persistent, dtype)
     twins = None if dtype == "float32" else _recorded_steps(reference, first, persistent, "float32")
