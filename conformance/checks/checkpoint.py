@@ -281,7 +281,7 @@ def check_resume_conversion(case: Case, workdir: Path) -> None:
         )
         judge = None
         if twins is not None:
-            judge = functools.partial(_judged, (want, got), twins, index, tolerance_for(case.dtype))
+            judge = functools.partial(_judged, (want, got), twins, index, tolerance)
         message = judged_disagreement(title, want, got, names, judge=judge, tolerance=tolerance)
         if message is not None:
             fail(message)

@@ -30,7 +30,7 @@ from conformance.checks.kernel import (
 from conformance.core.distributed import host_array
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import Mismatch, compare_trees, report, tolerance_for
-from conformance.core.rounding import RoundingVerdict, twins_disagree, within_rounding
+from conformance.core.rounding import RoundingVerdict, pair_within_rounding, within_rounding
 from conformance.core.scope import scoped
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, PathMapError, map_paths, structure_diff
@@ -309,9 +309,7 @@ def _judged(
     """Judge a Linen/NNX stage beyond the policy by rounding; keeps the verdict."""
     del found
     first, second = (twin[stage] for twin in twins())
-    carried = "a divergence the lower precision carries, not rounding"
-    verdict = twins_disagree("float32 decodes", ({"logits": first}, {"logits": second}), carried)
-    verdicts.append(verdict or within_rounding(*logits, first))
+    verdicts.append(pair_within_rounding("decodes", logits, (first, second)))
     return verdicts[-1].accepted
 
 

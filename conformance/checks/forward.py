@@ -35,7 +35,7 @@ from conformance.core.numerics import (
     tolerance_for,
 )
 from conformance.core.records import emit, emit_verdict, listening, measure
-from conformance.core.rounding import RoundingVerdict, twins_disagree, within_rounding
+from conformance.core.rounding import RoundingVerdict, pair_within_rounding
 from conformance.runtime.case import Case
 from conformance.runtime.diagnose.localise import Divergence, localise
 from conformance.runtime.sides import Side, live_pair, live_sides
@@ -172,9 +172,7 @@ def _rounding(logits: tuple[Any, Any], twins: tuple[Any, Any]) -> RoundingVerdic
     within the float32 policy and NNX is within rounding of Linen
     (:func:`~conformance.core.rounding.within_rounding`, against Linen's float32 logits).
     """
-    carried = "a divergence the lower precision carries, not rounding"
-    pair = ({"logits": twins[0]}, {"logits": twins[1]})
-    return twins_disagree("float32 forwards", pair, carried) or within_rounding(*logits, twins[0])
+    return pair_within_rounding("forwards", logits, twins)
 
 
 def _precision_note(case: Case, linen: Side, nnx_: Side, batch: Batch, rules: PathRules) -> str:

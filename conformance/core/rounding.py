@@ -276,3 +276,17 @@ def within_rounding(expected: Any, actual: Any, twin: Any) -> RoundingVerdict:
     if apart > bound:
         return RoundingVerdict(False, f"{figures}: farther than rounding moves it")
     return RoundingVerdict(True, f"{figures}: rounding, accepted")
+
+
+def pair_within_rounding(
+    what: str, pair: tuple[Any, Any], twins: tuple[Any, Any]
+) -> RoundingVerdict:
+    """Whether two low-precision results (Linen's, NNX's) differ by rounding only.
+
+    ``twins`` are the same two computations in float32. Accepted when the twins agree
+    within the float32 policy (:func:`twins_disagree`, naming them ``float32 <what>``)
+    and the second result is :func:`within_rounding` of the first, against its twin.
+    """
+    carried = "a divergence the lower precision carries, not rounding"
+    floats = ({"logits": twins[0]}, {"logits": twins[1]})
+    return twins_disagree(f"float32 {what}", floats, carried) or within_rounding(*pair, twins[0])
