@@ -228,7 +228,10 @@ class Recorded(Feature):
     The first edition's ``Capabilities(recorded=backends)`` with
     :meth:`Family.upgrade_reference`. Each backend's one-step run, recorded by ``python -m
     conformance.record`` into the repository, is compared with each live backend, so a
-    backend that is gone (Linen, once deleted) stays a reference.
+    backend that is gone (Linen, once deleted) stays a reference. A reference recorded
+    before bfloat16 train steps and state were recorded fails the bfloat16
+    ``recorded_train_step`` and ``recorded_resume`` until ``python -m conformance.record
+    --extend`` adds them (no recorded number changes).
     """
 
     capability: ClassVar[str] = "recorded"
