@@ -62,6 +62,19 @@ from conformance.runtime.train_state import (
 from conformance.runtime.trainer import TrainerBase
 
 
+def _differentiated(loss_fn: Callable[..., Any], wrt: Any) -> Callable[..., Any]:
+    """``nnx.value_and_grad`` of ``loss_fn`` by its first argument's ``wrt`` Variables.
+
+    The harness's own transform runs in NNX graph mode whatever flax's defaults
+    (``nnx_graph_mode``, ``nnx_graph_updates``), because a ``DiffState`` needs it; the
+    model's own transforms inside ``loss_fn`` (``nnx.scan``, ``nnx.remat``) still follow
+    the defaults, so a zoo that runs in tree mode is trained in tree mode.
+    """
+    return nnx.value_and_grad(
+        loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=True, graph=True, graph_updates=True
+    )
+
+
 def _abstract(leaf: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     """``leaf``'s shape and dtype with ``sharding``: an argument nothing is allocated for."""
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
@@ -343,7 +356,7 @@ class NnxTrainer(TrainerBase):
         """One train step ``(state, batch) -> (next state, metrics)``, unjitted (see step_fn)."""
         train = self._train(state)
         wrt = nnx.Any(nnx.Param, OverwriteWithGradient) if self.overwrite else nnx.Param
-        grad_fn = nnx.value_and_grad(self._loss_fn(), argnums=nnx.DiffState(0, wrt), has_aux=True)
+        grad_fn = _differentiated(self._loss_fn(), wrt)
         (loss_sum, (count, aux)), grads = self.accumulate(
             lambda micro: grad_fn(train.model, micro), batch, self.micro_batches, micro_sharding
         )
@@ -377,11 +390,7 @@ class NnxTrainer(TrainerBase):
         cross entropy left out, for the sum of what the forward sows under
         :class:`~conformance.contract.AuxLosses`; unjitted.
         """
-        grad_fn = nnx.value_and_grad(
-            self._loss_fn(cross_entropy=False),
-            argnums=nnx.DiffState(0, nnx.Param),
-            has_aux=True,
-        )
+        grad_fn = _differentiated(self._loss_fn(cross_entropy=False), nnx.Param)
         (_, (count, _)), grads = grad_fn(self._train(state).model, batch)
         return jax.tree.map(lambda g: g / count, grads)
 
