@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 from conformance.contract import Family
+from conformance.core.sharding import LogicalRankError
 from conformance.runtime.aot import abstract_batch, batch_rows, lowered_forward
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES, Side, live_sides
@@ -242,11 +243,13 @@ def named_params(error: BaseException, side: Side) -> list[str]:
     """The float parameters of ``side`` whose shape (and logical names) ``error`` names."""
     text = str(error)
     shapes = {tuple(ast.literal_eval(f"({m})")) for m in _SHAPE.findall(text)}
-    names = [tuple(ast.literal_eval(f"({m},)")) for m in _NAMES.findall(text)]
+    names = [tuple(ast.literal_eval(f"({m.rstrip(',')},)")) for m in _NAMES.findall(text)]
     if not shapes:
         return []
     try:
         runner = side.unquantized().runner
+    except LogicalRankError as err:
+        return list(err.leaves)
     except Exception:
         return []
     found = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from conformance.contract import LogicalRules
-from conformance.core.trees import flatten, flatten_state
+from conformance.core.trees import LeafSpec, flatten, flatten_state
 
 Logical = tuple[str | None, ...] | None
 """Logical axis names of one leaf, one per dimension; ``None`` if the leaf has none."""
@@ -184,6 +184,39 @@ def resolve_spec(logical: Logical, rules: LogicalRules, mesh: MeshSpec) -> Parti
         used.update(kept)
         entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*entries)
+
+
+class LogicalRankError(ValueError):
+    """Leaves that declare a different number of logical axis names than they have dimensions.
+
+    ``jax`` pads a short ``PartitionSpec`` with ``None``, so such a leaf would be placed
+    on the wrong dimensions without a word: for example a stacked layer whose logical
+    names lost the ``layers`` axis its layer transform adds.
+    """
+
+    def __init__(self, leaves: list[str]) -> None:
+        self.leaves = tuple(leaves)
+        """One line per leaf: its path, shape and logical names."""
+        super().__init__(
+            f"{len(leaves)} leaf(s) with a logical axis name per dimension too few or too "
+            "many (a layer transform, nn.scan, nnx.vmap or nnx.scan, may not have added its "
+            "axis name): " + "; ".join(leaves)
+        )
+
+
+def ranked(logical: Mapping[str, Logical], specs: Mapping[str, LeafSpec]) -> dict[str, Logical]:
+    """``logical``, checked to name every dimension of its leaf in ``specs`` (by path).
+
+    A leaf with too few or too many names raises :class:`LogicalRankError`, naming each.
+    """
+    wrong = [
+        f"{path}: shape {tuple(specs[path].shape)}, logical names {names}"
+        for path, names in logical.items()
+        if names is not None and len(names) != len(specs[path].shape)
+    ]
+    if wrong:
+        raise LogicalRankError(wrong)
+    return dict(logical)
 
 
 def linen_logical(variables: Any) -> dict[str, Logical]:

@@ -23,7 +23,7 @@ from qwix import PtqProvider, QuantizationProvider, quantize_params
 
 from conformance.contract import Batch, Family, persistent_types, quantization_scope
 from conformance.core.scope import scoped
-from conformance.core.sharding import Logical, linen_logical, nnx_logical
+from conformance.core.sharding import Logical, linen_logical, nnx_logical, ranked
 from conformance.core.trees import (
     Flat,
     LeafSpec,
@@ -237,9 +237,9 @@ class LinenRunner(Runner):
         """Collections a train state keeps beside ``params``, by collection and path: the
         FP8-style values a step overwrites with their gradient (:data:`OVERWRITE`) and
         the family's persistent state (:func:`persistent_collections`); usually none."""
-        self.logical = linen_logical(boxed)
         self._abstract = nn.meta.unbox(boxed)
         self.specs = specs(flatten(self._abstract))
+        self.logical = ranked(linen_logical(boxed), self.specs)
         self._init_kept = jax.jit(self._init_kept_impl)
         self._quantize = jax.jit(lambda params: flatten(quantize_params(unflatten(params), boxed)))
 
@@ -315,8 +315,8 @@ class NnxRunner(Runner):
         self.graphdef, params, self._abstract_rest = nnx.split(abstract, nnx.Param, ...)
         self._keys = {join_path(keys): keys for keys, _ in nnx.to_flat_state(params)}
         self._abstract_vars = flatten_state(params)
-        self.logical = nnx_logical(params)
         self.specs = specs(self._abstract_vars)
+        self.logical = ranked(nnx_logical(params), self.specs)
         self.held = {
             path: variable_kind(var) for path, var in flatten_state(self._abstract_rest).items()
         }
