@@ -19,6 +19,14 @@ from conformance_models import aqt, common
 from conformance_models.common import EMBED_INIT, kernel_init
 from conformance_models.config import TransformerConfig
 
+LAYERS = "layers"
+"""The logical name of a scanned stack's leading axis.
+
+Added and removed by ``nnx.transform_metadata``, which works in NNX graph and tree mode
+alike: ``nnx.vmap``'s and ``nnx.scan``'s own ``transform_metadata`` argument is ignored
+in tree mode (flax 0.12.12), and the stacked parameters would lose the axis name.
+"""
+
 
 def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -> jax.Array:
     """``x`` constrained to the logical ``names`` on ``config.mesh`` (no mesh: ``x``).
@@ -162,7 +170,7 @@ class KVCache(nnx.Module):
         leading axis of that size, logically named ``layers``.
         """
         cfg = self.config
-        lead, lead_names = ((stacked,), ("layers",)) if stacked is not None else ((), ())
+        lead, lead_names = ((stacked,), (LAYERS,)) if stacked is not None else ((), ())
         shape = (*lead, batch_size, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
         names = (*lead_names, *common.CACHE_AXES)
         self.key = nnx.Cache(jnp.zeros(shape, cfg.dtype), out_sharding=names)
@@ -206,8 +214,9 @@ def make_layers[B: nnx.Module](
     if not config.scan_layers:
         return nnx.List([block(config, rngs=rngs) for _ in range(config.num_layers)])
 
+    @nnx.transform_metadata(in_axes=None, out_axes=0, partition=LAYERS)
     @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs: nnx.Rngs) -> B:
         return block(config, rngs=rngs)
 
@@ -240,12 +249,11 @@ def apply_layers[B: nnx.Module](
             x = apply_block(block, x, *args)
             return x, x
 
-        scan = nnx.scan(
-            body,
-            in_axes=(nnx.Carry, 0) + (None,) * len(args),
-            out_axes=(nnx.Carry, 0),
-            transform_metadata={nnx.PARTITION_NAME: "layers"},
+        in_axes = (nnx.Carry, 0) + (None,) * len(args)
+        sliced = nnx.transform_metadata(
+            body, in_axes=(None, 0) + (None,) * len(args), out_axes=None, partition=LAYERS
         )
+        scan = nnx.scan(sliced, in_axes=in_axes, out_axes=(nnx.Carry, 0))
         return scan(x, layers, *args)
     outputs = []
     for block in layers:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -89,3 +90,32 @@ def test_matmul_into_a_batch_split_over_two_axes():
         return jax.lax.with_sharding_constraint(x @ w, out)
 
     np.testing.assert_allclose(matmul(x, identity), x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flax 0.12.12: outside graph mode with graph updates (NNX tree mode), nnx.vmap "
+    "ignores its transform_metadata argument (its `if not (graph and graph_updates)` path "
+    "builds SimpleVmapFn without it), so stacked layers lose their 'layers' axis name without "
+    "a word; the built-ins stack through nnx.transform_metadata, and "
+    "conformance.core.sharding refuses such leaves (LogicalRankError)",
+)
+def test_vmap_transform_metadata_in_tree_mode():
+    init = nnx.with_partitioning(nnx.initializers.ones, ("embed", "mlp"))
+
+    @nnx.vmap(
+        in_axes=0,
+        out_axes=0,
+        transform_metadata={nnx.PARTITION_NAME: "layers"},
+        graph=False,
+        graph_updates=False,
+    )
+    def create(key):
+        return nnx.Linear(4, 8, kernel_init=init, use_bias=False, rngs=nnx.Rngs(params=key))
+
+    with nnx.use_eager_sharding(False):
+        try:
+            kernel = create(jax.random.split(jax.random.key(0), 2)).kernel
+        except (ValueError, NotImplementedError):
+            return  # refusing the argument is as good as honouring it
+    assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
