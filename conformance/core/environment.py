@@ -98,6 +98,20 @@ def nondeterminism() -> str | None:
     )
 
 
+def nnx_mode() -> str:
+    """The NNX transform defaults programs are traced under, in words.
+
+    flax's ``nnx_graph_mode`` and ``nnx_graph_updates`` (read from the environment as
+    ``NNX_GRAPH_MODE`` and ``NNX_GRAPH_UPDATES``): graph mode, flax 0.12's default, or tree
+    mode, the default flax plans (FLIP 5310).
+    """
+    from flax import config
+
+    graph, updates = config.nnx_graph_mode, config.nnx_graph_updates
+    mode = "graph mode" if graph else "tree mode"
+    return f"NNX {mode} (nnx_graph_mode={graph}, nnx_graph_updates={updates})"
+
+
 def library_versions() -> dict[str, str]:
     """The installed version of each of :data:`LIBRARIES` (those not installed are left out)."""
     versions = {}

@@ -22,6 +22,7 @@ from conformance.contract import Family, preferred_layout, recorded_backends
 from conformance.core import distributed, programs
 from conformance.core.environment import (
     configure_host_platform,
+    nnx_mode,
     set_matmul_precision,
     set_xla_opt,
 )
@@ -102,7 +103,7 @@ class Settings:
         lines = [
             f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),
             f"conformance: families {families}; XLA optimisation {self.xla_opt}; "
-            f"matmul precision {jax.config.jax_default_matmul_precision}; "
+            f"matmul precision {jax.config.jax_default_matmul_precision}; {nnx_mode()}; "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s)",
         ]
         if self.tpu:
