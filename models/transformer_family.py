@@ -27,6 +27,7 @@ from conformance.families import (
     Qwix,
     Recorded,
     Remat,
+    TreeMode,
     VocabTiling,
 )
 from conformance_models import GOLDENS
@@ -51,7 +52,7 @@ class TransformerFamily(Family):
     nnx_decoder: ClassVar[type[nnx.Module]]
 
     def features(self) -> Sequence[Feature]:
-        """Both layouts, decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix and the rest.
+        """Layouts, decoding, remat, dropout, AQT, FP8, vocab tiling, Qwix, tree mode and the rest.
 
         Decoding takes the ``mode`` keyword, through caches the models hold.
         """
@@ -68,6 +69,7 @@ class TransformerFamily(Family):
             ),
             Recorded((Backend.LINEN,)),
             Bridges(linen=0, nnx=0),
+            TreeMode(),
         )
 
     def config(

@@ -314,3 +314,18 @@ def report(case: Case, error: BaseException) -> str | None:
         if name != raised.side:
             lines.append(_verdict(raised, probe(side, trainer), name, probed))
     return "\n  ".join(lines)
+
+
+def mode_report(error: BaseException, family: Family, side: str, other: str) -> str:
+    """The report of ``error``, raised while ``side`` ran what ``other`` got through.
+
+    For two modes of one backend (NNX in tree mode and in graph mode): the raising mode
+    is named as such, and no other backend is probed.
+    """
+    found = raised_in(error) or Raised(side, "", "", error)
+    doing = f" while {found.doing} ({found.call})" if found.doing else ""
+    lines = [f"{side} raised {found.kind}{doing}", *found.message(), f"raised at {origin(error)}"]
+    if (own := family_code(error, family)) is not None:
+        lines.append(own)
+    lines.append(f"{other} got through the same calls: a divergence of {side}, not of both")
+    return "\n  ".join(lines)

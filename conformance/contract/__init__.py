@@ -49,6 +49,7 @@ from conformance.contract.features import (
     Release,
     Remat,
     Topologies,
+    TreeMode,
     VocabTiling,
     with_features,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "Stack",
     "Topologies",
     "Transpose",
+    "TreeMode",
     "VocabTiling",
     "accepted_precision",
     "aux_losses",

@@ -338,5 +338,5 @@ def spelling(capability: str) -> str:
 
     ``Capabilities(<capability>=...)`` for an ability with no typed feature.
     """
-    kinds = [kind.__name__ for kind in FIRST_EDITION if kind.capability == capability]
+    kinds = [kind.__name__ for kind in Feature.__subclasses__() if kind.capability == capability]
     return f"{kinds[0]} in features()" if kinds else f"Capabilities({capability}=...)"

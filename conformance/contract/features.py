@@ -392,6 +392,26 @@ class Precision(Feature):
     accepted: tuple[PrecisionChange, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class TreeMode(Feature):
+    """The family's NNX model in flax's tree mode: the ``tree_mode`` check.
+
+    New in the second edition. flax plans to make NNX's tree mode the default
+    (``nnx_graph_mode=False``, ``nnx_graph_updates=False``); the check builds, runs, trains
+    and checkpoints the NNX model in graph mode and in tree mode and holds the two to
+    agree. Tree mode cannot hold shared references (a head tied to the embedding by
+    ``self.head = self.token_embed``): a family whose NNX model has one declares the
+    rewrite it runs in tree mode as :attr:`nnx_module`.
+    """
+
+    capability: ClassVar[str] = "tree_mode"
+    optional: ClassVar[dict[str, str]] = {"nnx_module": "nnx_module(config, rngs)"}
+    nnx_module: Callable[[Any, Any], Any] | None = None
+    """``nnx_module(config, rngs)``: the model as the zoo rewrote it for tree mode, with
+    the same parameter paths. ``None`` (the default): :meth:`Family.nnx_module` itself,
+    built and traced in tree mode."""
+
+
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
     """``base`` with each of ``new`` in place of the feature of its kind (added if none).
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import AuxLosses, Bridges, Feature, LogicalRules
+from conformance.families import AuxLosses, Bridges, Feature, LogicalRules, TreeMode
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -30,12 +30,12 @@ class MoeFamily(TransformerFamily):
     )
 
     def features(self) -> Sequence[Feature]:
-        """Its load-balancing loss and no bridge.
+        """Its load-balancing loss, no bridge, and NNX tree mode.
 
         Unlike the other transformers, one layer layout (``unsupported`` says why) and no
         decoding.
         """
-        return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0))
+        return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0), TreeMode())
 
     base_configs: ClassVar[dict[str, MoeConfig]] = {
         "tiny": MoeConfig(

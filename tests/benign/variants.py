@@ -39,6 +39,7 @@ from conformance_models.moe import nnx_model as moe_nnx
 from conformance_models.moe import routing
 from conformance_models.moe.family import MoeFamily
 from conformance_models.nnx_layers import constrain
+from tests.faults.modes import TiedByAttendInTreeMode
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
     ("activation_sharding", None),
@@ -354,6 +355,14 @@ VARIANTS: tuple[Variant, ...] = (
             (llama_nnx.Llama, "__call__", _masking_padded_vocab(llama_nnx.Llama.__call__)),
         ),
         checks=(("finite", None), ("precision", None), ("forward", None)),
+    ),
+    Variant(
+        "tie-as-attend-in-tree-mode",
+        "gpt3's NNX model ties its head to its embedding by a shared reference in graph "
+        "mode; its tree-mode rewrite ties them by calling the embedding's attend",
+        (),
+        TiedByAttendInTreeMode(),
+        checks=(("tree_mode", None),),
     ),
 )
 """Every benign variant."""

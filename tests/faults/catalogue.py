@@ -2,7 +2,7 @@
 
 Each area module (:mod:`tests.faults.structure`, ``forward``, ``precision``, ``activations``,
 ``training``, ``state``, ``decode``, ``quantization``, ``checkpoints``, ``recorded``,
-``cost``, ``tpu``) pairs its faults with the check that must catch them and the words
+``cost``, ``tpu``, ``modes``) pairs its faults with the check that must catch them and the words
 (leaf path first) the failure report must contain.
 """
 
@@ -14,6 +14,7 @@ from tests.faults import (
     cost,
     decode,
     forward,
+    modes,
     precision,
     quantization,
     recorded,
@@ -37,5 +38,6 @@ FAULTS: tuple[Fault, ...] = (
     *cost.FAULTS,
     *activations.FAULTS,
     *tpu.FAULTS,
+    *modes.FAULTS,
 )
 """Every planted fault, by area."""

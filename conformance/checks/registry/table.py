@@ -10,6 +10,7 @@ from conformance.checks import (
     decode,
     forward,
     invariance,
+    modes,
     precision,
     quantization,
     recorded,
@@ -35,6 +36,7 @@ AREAS = (
     invariance,
     state,
     training,
+    modes,
 )
 """The area modules whose declared checks the harness ships."""
 

@@ -1,0 +1,69 @@
+"""NNX tree mode: a family's NNX model built, traced and trained in flax's tree mode.
+
+flax 0.12 traces NNX transforms in graph mode by default and plans tree mode as the
+default (``nnx_graph_mode=False``, ``nnx_graph_updates=False``). :func:`tree_mode` runs
+what it encloses in tree mode; :class:`NnxTreeSide` is the family's NNX model there: the
+rewrite it declares for tree mode (:class:`~conformance.contract.TreeMode`), or its own
+NNX module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import ClassVar
+
+from flax import nnx
+
+from conformance.contract import Family, TreeMode, declared
+from conformance.core.scope import Scope
+from conformance.core.trees import join_path
+from conformance.runtime.case import Case
+from conformance.runtime.sides import NnxSide
+
+
+@contextlib.contextmanager
+def tree_mode() -> Iterator[None]:
+    """Everything built, traced and compiled inside runs in NNX tree mode.
+
+    In a scope of its own: runners are memoised by family and config, not by mode, so
+    the ones built here are kept apart from graph mode's, and released on leaving.
+    """
+    with Scope(keep_programs=True), nnx.set_graph_mode(False), nnx.set_graph_updates(False):
+        yield
+
+
+def shared_references(model: nnx.Module) -> list[str]:
+    """Each Variable or module ``model`` holds at more than one path: its paths, joined.
+
+    Tree mode cannot hold them (``ValueError: Duplicate ...``).
+    """
+    return [" and ".join(join_path(path) for path in paths) for paths in nnx.find_duplicates(model)]
+
+
+def rewrite(family: Family) -> Family:
+    """``family`` building its declared tree-mode rewrite as its NNX module, if it has one."""
+    found = declared(family, TreeMode)
+    if found is None or found.nnx_module is None:
+        return family
+    view = copy.copy(family)
+    object.__setattr__(view, "nnx_module", found.nnx_module)
+    return view
+
+
+@dataclasses.dataclass(frozen=True)
+class NnxTreeSide(NnxSide):
+    """The NNX model in tree mode: built, traced and run only inside :func:`tree_mode`.
+
+    Its case's family builds the rewrite the family declares for tree mode
+    (:func:`rewrite`); its parameter paths are canonical, as graph mode's are.
+    """
+
+    name: ClassVar[str] = "NNX tree mode"
+
+    @classmethod
+    def of(cls, case: Case) -> NnxTreeSide:
+        """The tree-mode side of ``case``."""
+        return cls(dataclasses.replace(case, family=rewrite(case.family)))
