@@ -13,7 +13,6 @@ from flax import nnx
 from conformance.contract import PersistentState, TreeMode, with_features
 from conformance_models.gpt3 import nnx_model as gpt3_nnx
 from conformance_models.gpt3.family import Gpt3Family
-from conformance_models.nnx_layers import Embed
 from tests.faults.fault import Fault
 
 
@@ -44,14 +43,7 @@ class UntiedInTreeMode(SharedHead):
 
     def untied(self, config, rngs):
         model = Gpt3Family.nnx_module(self, config, rngs)
-        model.unembed = Embed(
-            config.vocab_size,
-            config.d_model,
-            ("vocab", "embed"),
-            dtype=config.dtype,
-            param_dtype=config.param_dtype,
-            rngs=rngs,
-        )
+        model.unembed = nnx.clone(model.token_embed)
         return model
 
 
