@@ -128,10 +128,8 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     if (shared := shared_references(graph.runner.abstract)) and not rewritten:
         fail(
             f"{GRAPH} holds shared references, which tree mode cannot hold: "
-            + "; ".join(shared)
-            + ". Rewrite each as one module called where the other was (a head tied to "
-            "the embedding as embed.attend(x)), and declare the rewrite as "
-            "TreeMode(nnx_module=...)"
+            + "; ".join(found.describe() for found in shared)
+            + ". Declare the model rewritten without them as TreeMode(nnx_module=...)"
         )
     params = graph.init(0)
     logits = jax.device_get(graph.forward(params, batch)[0])

@@ -35,12 +35,40 @@ def tree_mode() -> Iterator[None]:
         yield
 
 
-def shared_references(model: nnx.Module) -> list[str]:
-    """Each Variable or module ``model`` holds at more than one path: its paths, joined.
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """One object a model holds at more than one path: what tree mode cannot build."""
 
-    Tree mode cannot hold them (``ValueError: Duplicate ...``).
+    paths: tuple[str, ...]
+    kind: str
+    """The shared object's class name (``Rngs``, ``Embed``, ``Param``)."""
+
+    def describe(self) -> str:
+        """``<kind> at <path> and <path>``, with the rewrite tree mode needs."""
+        where = f"{self.kind} at {' and '.join(self.paths)}"
+        if self.kind == "Rngs":
+            return (
+                f"{where} (a module keeps the nnx.Rngs it hands to a sub-module, which keeps "
+                "it too: keep it in one of them, or give the sub-module streams of its own)"
+            )
+        return f"{where} (call one module where the other was, as a head tied to the " + (
+            "embedding calls embed.attend(x))"
+        )
+
+
+def shared_references(model: nnx.Module) -> list[Shared]:
+    """Each object ``model`` holds at more than one path, which tree mode cannot hold.
+
+    Building the model in tree mode raises ``ValueError: Duplicate ...`` for each.
     """
-    return [" and ".join(join_path(path) for path in paths) for paths in nnx.find_duplicates(model)]
+    nodes = dict(nnx.iter_graph(model))
+    return [
+        Shared(
+            tuple(join_path(path) for path in paths),
+            type(nodes.get(tuple(paths[0]), model)).__name__,
+        )
+        for paths in nnx.find_duplicates(model)
+    ]
 
 
 def rewrite(family: Family) -> Family:

@@ -83,8 +83,8 @@ FAULTS = (
         "tree_mode",
         (
             "NNX graph mode holds shared references, which tree mode cannot hold: "
-            "token_embed and unembed",
-            "declare the rewrite as TreeMode(nnx_module=...)",
+            "Embed at token_embed and unembed",
+            "Declare the model rewritten without them as TreeMode(nnx_module=...)",
         ),
     ),
     Fault(
