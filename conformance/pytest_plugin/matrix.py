@@ -96,6 +96,10 @@ class SessionReport:
             recorded = settings(self.config).recorded()
             if recorded and any(check.startswith("recorded_") for _, check in results):
                 terminalreporter.write_line("recorded_* compare " + "; ".join(recorded))
+            if any(check == "tree_mode" for _, check in results):
+                terminalreporter.write_line(
+                    "tree_mode compares NNX in tree mode with NNX in graph mode (no Linen)"
+                )
         if self.config.option.update_snapshots and distributed.is_leader():
             for line in written_lines(self.config.stash.get(WRITTEN, set()), self.roots()):
                 terminalreporter.write_line(line)

@@ -48,6 +48,7 @@ from conformance.families import (
     Release,
     Remat,
     Topologies,
+    TreeMode,
     VocabTiling,
 )
 from conformance_models import GOLDENS
@@ -89,6 +90,7 @@ class MaxTextFamily(Family):
         Linen side is one ``ToLinen`` around the whole NNX model (:class:`Bridges`), while
         0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
         From 0.2.5 the MoE routing bias is persistent state (:class:`PersistentState`).
+        Its NNX model is held to itself in tree mode (:class:`TreeMode`).
         """
         installed = _installed()
         per_release = () if installed is None else (Release(installed),)
@@ -111,6 +113,7 @@ class MaxTextFamily(Family):
             # maxtext 0.2.4's two implementations, read by later releases through the
             # version map.
             Recorded((Backend.LINEN, Backend.NNX), self.upgrade_reference),
+            TreeMode(),
         )
 
     def unavailable(self) -> str | None:
@@ -369,18 +372,53 @@ _VOCAB_TILING_BRIDGED = Divergence(
 )
 
 
+_TREE_MODE_SHARED_RNGS = (
+    "NNX tree mode cannot build the model: a shared reference (ValueError: Duplicate "
+    "RngCount). maxtext {release}'s {where} keeps the nnx.Rngs it hands to {to}, which "
+    "keeps it too (self.rngs = rngs in both)"
+)
+
+
+def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> Divergence:
+    """``tree_mode`` fails: ``where`` keeps the nnx.Rngs it hands ``to``, which keeps it too."""
+    reason = _TREE_MODE_SHARED_RNGS.format(release=release, where=where, to=to)
+    return Divergence("tree_mode", reason, narrowed)
+
+
+_TREE_MODE_0_2_4 = _shared_rngs(
+    "0.2.4", "attention (layers/attentions.py)", "its attention_op (layers/attention_op.py)"
+)
+_TREE_MODE_LAYER = _shared_rngs(
+    "0.2.5",
+    "decoder layer (models/gpt3.py, gemma2.py, deepseek.py; not llama2.py)",
+    "its attention (layers/attentions.py)",
+)
+_TREE_MODE_DECODER = _shared_rngs(
+    "0.2.5",
+    "decoder (layers/nnx_decoders.py)",
+    "every unrolled layer's attention (scanned layers get streams of their own and pass)",
+    **_LOOP,
+)
+
+
 def _releases(
     found: tuple[Divergence, ...],
     only: Mapping[str, tuple[Divergence, ...]] = MappingProxyType({}),
+    tree_mode: Divergence = _TREE_MODE_LAYER,
 ) -> Mapping[str, tuple[Divergence, ...]]:
     """Known divergences by maxtext release: ``found`` on every release, then ``only``'s.
 
     0.2.4's vocab-tiling bug is 0.2.4's alone (0.2.5 fixed it in NNX and deleted the Linen
-    tiled loss, which its bridged Linen side cannot replace).
+    tiled loss, which its bridged Linen side cannot replace). Tree mode cannot build any
+    0.2.4 model, nor a 0.2.5 one whose layers share an nnx.Rngs (``tree_mode``).
     """
     tiling = {"0.2.4": _VOCAB_TILING, "0.2.5": _VOCAB_TILING_BRIDGED}
+    tree = {"0.2.4": _TREE_MODE_0_2_4, "0.2.5": tree_mode}
     return MappingProxyType(
-        {release: (tiling[release], *found, *only.get(release, ())) for release in tiling}
+        {
+            release: (tiling[release], tree[release], *found, *only.get(release, ()))
+            for release in tiling
+        }
     )
 
 
@@ -489,6 +527,7 @@ class MaxTextLlama2(MaxTextFamily):
                 ),
             )
         },
+        _TREE_MODE_DECODER,
     )
 
 
