@@ -20,6 +20,7 @@ from conformance.checks import raised
 from conformance.checks.declare import Axis, declare
 from conformance.checks.kernel import steps_agree
 from conformance.contract import Backend, TreeMode, required
+from conformance.core.distributed import host_array
 from conformance.core.failure import CheckFailure, fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_trees, tolerance_for
 from conformance.core.records import failed
@@ -89,7 +90,7 @@ def _in_tree_mode(
         f"{TREE} builds the model differently from {GRAPH}",
         _layout_differences(graph, _layout(tree)),
     )
-    logits = jax.device_get(tree.forward(tree.place(params), batch)[0])
+    logits = host_array(tree.forward(tree.place(params), batch)[0])
     training = Training.start(tree, params)
     first = training.advance(batch)
     state = flat_state(training.state)
@@ -132,7 +133,7 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
             + ". Declare the model rewritten without them as TreeMode(nnx_module=...)"
         )
     params = graph.init(0)
-    logits = jax.device_get(graph.forward(params, batch)[0])
+    logits = host_array(graph.forward(params, batch)[0])
     straight = Training.start(graph, params)
     first = straight.advance(batch)
     checkpoint = (workdir / "graph", flat_state(straight.state))
