@@ -119,3 +119,32 @@ def test_vmap_transform_metadata_in_tree_mode():
         except (ValueError, NotImplementedError):
             return  # refusing the argument is as good as honouring it
     assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
+
+
+def _broadcast_counter_after_scan(graph: bool) -> float:
+    """A module broadcast into ``nnx.scan`` counts the scan's iterations in a BatchStat."""
+
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.seen = nnx.BatchStat(jnp.zeros(()))
+
+    def body(x, w, counter):
+        counter.seen[...] = counter.seen[...] + 1
+        return x * w, None
+
+    with nnx.set_graph_mode(graph), nnx.set_graph_updates(graph):
+        counter = Counter()
+        scan = nnx.scan(body, in_axes=(nnx.Carry, 0, None), out_axes=(nnx.Carry, 0))
+        scan(jnp.ones(2), jnp.ones((3, 2)), counter)
+        return float(counter.seen[...])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flax 0.12.12: a Variable of a module broadcast into nnx.scan (in_axes=None) and "
+    "updated in its body keeps the update in tree mode (3 after 3 iterations) and loses it "
+    "in graph mode (0), without an error in either: the same model trains differently "
+    "in the two modes (the tree_mode check compares their train states)",
+)
+def test_scan_updates_a_broadcast_variable_alike_in_both_modes():
+    assert _broadcast_counter_after_scan(True) == _broadcast_counter_after_scan(False)
