@@ -22,9 +22,13 @@ from conformance_models.config import TransformerConfig
 LAYERS = "layers"
 """The logical name of a scanned stack's leading axis.
 
-Added and removed by ``nnx.transform_metadata``, which works in NNX graph and tree mode
-alike: ``nnx.vmap``'s and ``nnx.scan``'s own ``transform_metadata`` argument is ignored
-in tree mode (flax 0.12.12), and the stacked parameters would lose the axis name.
+The stack's constructor adds it through ``nnx.transform_metadata``, which works in NNX
+graph and tree mode alike: ``nnx.vmap``'s own ``transform_metadata`` argument is ignored
+in tree mode (flax 0.12.12), and the stacked parameters would lose the axis name. The
+scan over the stack keeps its own argument, which removes the name inside its body in
+graph mode; wrapping the body in ``nnx.transform_metadata`` instead clones the block, and
+Qwix's PTQ and AQT's convert, which replace its parameters inside the body, would be lost.
+In tree mode the body's slices keep the name, which nothing there reads.
 """
 
 
@@ -249,11 +253,12 @@ def apply_layers[B: nnx.Module](
             x = apply_block(block, x, *args)
             return x, x
 
-        in_axes = (nnx.Carry, 0) + (None,) * len(args)
-        sliced = nnx.transform_metadata(
-            body, in_axes=(None, 0) + (None,) * len(args), out_axes=None, partition=LAYERS
+        scan = nnx.scan(
+            body,
+            in_axes=(nnx.Carry, 0) + (None,) * len(args),
+            out_axes=(nnx.Carry, 0),
+            transform_metadata={nnx.PARTITION_NAME: LAYERS},
         )
-        scan = nnx.scan(sliced, in_axes=in_axes, out_axes=(nnx.Carry, 0))
         return scan(x, layers, *args)
     outputs = []
     for block in layers:
