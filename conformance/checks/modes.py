@@ -105,7 +105,7 @@ def _info(case: Case) -> CheckpointInfo:
 
 
 @declare(
-    (Axis.FAMILY, Axis.MESH, Axis.SCAN_LAYERS),
+    (Axis.FAMILY, Axis.SCAN_LAYERS),
     where="primary",
     capability="tree_mode",
     workdir=True,
