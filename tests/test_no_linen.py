@@ -76,6 +76,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "recorded_resume",
         "recorded_decode",
         "recorded_quant_forward",
+        "tree_mode",
     }
     assert ran == expected
 
