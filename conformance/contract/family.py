@@ -57,7 +57,10 @@ class Family(abc.ABC):
       diverges; the sown states only name the block when that recording stops at a Linen
       ``nn.scan`` (docs/checks.md, "Localisation").
     * Every parameter carries logical axis names (Linen ``nn.with_logical_partitioning``;
-      NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`.
+      NNX ``out_sharding`` metadata) resolved by :meth:`logical_axis_rules`, one per
+      dimension, a stacked layer's axis included: a parameter with too few or too many
+      is refused where its side is built (``LogicalRankError``, naming it); one without
+      names is replicated.
     * With ``Capabilities(decode=True)`` and ``decode_style="prefill"`` (the default),
       both sides also take a call-time keyword ``mode``: ``"forward"`` (the default),
       ``"prefill"`` (a right-padded prompt, whose keys and values fill the cache) or
@@ -178,8 +181,10 @@ class Family(abc.ABC):
         ``Topologies`` the TPU slice each production size compiles for under ``--tpu
         default`` (default: ``v5p:4x4x4``) and ``Precision`` the precision differences
         between the backends the ``precision`` check accepts (default: none; every
-        difference fails it). Declaring an ability in both spellings is a
-        load error. None by default.
+        difference fails it), and ``TreeMode`` that the NNX model runs in flax's tree mode,
+        with the rewrite it runs there if it holds shared references (undeclared, the
+        ``tree_mode`` check skips). Declaring an ability in both spellings is a load
+        error. None by default.
         """
         return ()
 
