@@ -482,3 +482,36 @@ def test_the_default_tier_runs_bfloat16_on_its_primary_mesh_only():
     assert full.leaves_out(family, {"mesh": other, "dtype": "bf16"}) == ""
     given = dataclasses.replace(default, meshes=None)
     assert given.leaves_out(family, {"mesh": other, "dtype": "bf16"}) == "", "--mesh keeps all"
+
+
+def test_the_default_tier_runs_variant_checks_on_its_primary_mesh_only():
+    family = Gpt3Family()
+    primary, other = parse_mesh("data=2,fsdp=2,tensor=2"), parse_mesh("fsdp=8")
+    default, full = get_tier("default"), get_tier("full")
+    assert default.leaves_out(family, {"mesh": primary, "variant": True}) == ""
+    assert default.leaves_out(family, {"mesh": other, "variant": False}) == ""
+    assert default.leaves_out(family, {"mesh": other, "variant": True}) == (
+        "variant check on mesh fsdp8 (only on the primary mesh, data2-fsdp2-tensor2)"
+    )
+    assert full.leaves_out(family, {"mesh": other, "variant": True}) == ""
+    given = dataclasses.replace(default, meshes=None)
+    assert given.leaves_out(family, {"mesh": other, "variant": True}) == "", "--mesh keeps all"
+
+
+def test_variant_checks_are_the_quantized_accumulated_and_tiled_ones():
+    from conformance.checks.registry import BUILTIN
+
+    variants = {name for name, check in BUILTIN.items() if check.variant}
+    assert variants == {
+        "aqt_convert",
+        "aqt_forward",
+        "aqt_serve",
+        "aqt_train_step",
+        "bf16_train_step",
+        "fp8_train_step",
+        "grad_accumulation",
+        "qat_train_step",
+        "quant_checkpoint",
+        "quant_forward",
+        "vocab_tiling",
+    }

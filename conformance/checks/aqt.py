@@ -68,7 +68,7 @@ def _known_failure(values: Mapping[str, Any]) -> str | None:
     return known_failure("aqt_layout", values["scan_layers"])
 
 
-@declare(ON_MESH, capability="aqt")
+@declare(ON_MESH, variant=True, capability="aqt")
 def check_aqt_forward(case: Case) -> None:
     """TRAIN-mode forwards agree across backends, each within :data:`AQT_MAX_ERROR` of float.
 
@@ -113,7 +113,7 @@ def check_aqt_forward(case: Case) -> None:
         error_bound(where, logits, reference, AQT_MAX_ERROR)
 
 
-@declare(ON_MESH, capability="aqt")
+@declare(ON_MESH, variant=True, capability="aqt")
 def check_aqt_train_step(case: Case) -> None:
     """TRAIN-mode train steps agree across backends (loss, gradients, whole state).
 
@@ -203,7 +203,7 @@ def check_aqt_layout(case: Case) -> dict[str, Any]:
     }
 
 
-@declare(ON_MESH, capability="aqt")
+@declare(ON_MESH, variant=True, capability="aqt")
 def check_aqt_convert(case: Case) -> None:
     """CONVERT freezes the same kernels on both backends and leaves each forward unchanged.
 
@@ -231,7 +231,9 @@ def check_aqt_convert(case: Case) -> None:
             fail(failed(title, [found], ("TRAIN", "CONVERT")))
 
 
-@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", capability="aqt", workdir=True)
+@declare(
+    (Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", variant=True, capability="aqt", workdir=True
+)
 def check_aqt_serve(case: Case, workdir: Path) -> None:
     """A converted serve tree survives orbax, and SERVE from it equals CONVERT, per backend.
 

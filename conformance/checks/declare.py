@@ -78,6 +78,12 @@ class Check:
     """A :class:`~conformance.contract.Capabilities` field every family must declare."""
     layouts: tuple[bool, ...] = ()
     """Layer layouts every family must support."""
+    variant: bool = False
+    """The check compares a variant of the step or forward that ``train_step`` and
+    ``forward`` compare on every mesh (quantized, in lower precision, accumulated over
+    micro-batches, with a tiled loss), partitioned as the plain programs are: the
+    ``default`` tier runs it on the primary mesh only (``full`` on every mesh), and its
+    tests carry the ``variant`` marker, so a run can leave them out (``-m "not variant"``)."""
     quant_method: str | None = None
     """Parametrize ``quant`` only over modes of this method (``qat``, ``ptq``)."""
     golden: bool = False

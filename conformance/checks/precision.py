@@ -56,7 +56,7 @@ def check_precision(case: Case) -> None:
     fail_if_any(f"{title} ({case.layout} layout)", found)
 
 
-@declare((Axis.FAMILY,), where="primary")
+@declare((Axis.FAMILY,), where="primary", variant=True)
 def check_bf16_train_step(case: Case) -> None:
     """:func:`~conformance.checks.kernel.train_step_parity` in bfloat16 compute.
 

@@ -100,7 +100,7 @@ def check_quant_params(case: Case) -> dict[str, Any]:
     }
 
 
-@declare((*ON_MESH, Axis.QUANT), known_failure=_known_failure)
+@declare((*ON_MESH, Axis.QUANT), variant=True, known_failure=_known_failure)
 def check_quant_forward(case: Case) -> None:
     """Linen and NNX quantized forwards agree, and each stays within the mode's error bound.
 
@@ -228,7 +228,7 @@ def check_quant_hygiene_topology(case: Case) -> None:
     check_quant_hygiene(case.quantized(TOPOLOGY_MODE))
 
 
-@declare((*ON_MESH, Axis.QUANT), quant_method="qat")
+@declare((*ON_MESH, Axis.QUANT), variant=True, quant_method="qat")
 def check_qat_train_step(case: Case) -> None:
     """Both sides train the QAT-quantized model alike for several steps (the train-step check).
 
@@ -241,6 +241,7 @@ def check_qat_train_step(case: Case) -> None:
 @declare(
     (Axis.FAMILY, Axis.SCAN_LAYERS, Axis.QUANT),
     where="primary",
+    variant=True,
     quant_method="ptq",
     workdir=True,
 )

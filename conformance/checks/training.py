@@ -94,7 +94,7 @@ def check_train_step(case: Case) -> None:
     train_step_parity(case, "train_step")
 
 
-@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", capability="fp8")
+@declare((Axis.FAMILY, Axis.SCAN_LAYERS), where="primary", variant=True, capability="fp8")
 def check_fp8_train_step(case: Case) -> None:
     """:func:`check_train_step` on the family's FP8 config (:meth:`Family.fp8_config`).
 
@@ -105,7 +105,7 @@ def check_fp8_train_step(case: Case) -> None:
     train_step_parity(case.with_config(fp8(case.config)), "fp8_train_step")
 
 
-@declare((*ON_MESH, Axis.DTYPE), requires=_additive_loss)
+@declare((*ON_MESH, Axis.DTYPE), variant=True, requires=_additive_loss)
 def check_grad_accumulation(case: Case) -> None:
     """:data:`MICRO_BATCHES` accumulated micro-batches equal one step on the whole batch.
 
@@ -118,7 +118,7 @@ def check_grad_accumulation(case: Case) -> None:
     variant_parity(case, names, {"micro_batches": MICRO_BATCHES})
 
 
-@declare(ON_MESH, capability="vocab_tiling")
+@declare(ON_MESH, variant=True, capability="vocab_tiling")
 def check_vocab_tiling(case: Case) -> None:
     """One step with a :data:`VOCAB_TILES`-tiled loss equals the untiled step.
 

@@ -23,6 +23,8 @@ MARKERS = (
     "layouts(*scan_layers): run only on families supporting each of these layer layouts "
     "(True: scanned), else skip",
     "quant_method(name): parametrize `quant` only over modes of this method",
+    "variant: the test compares a quantized, lower-precision, accumulated or tiled variant "
+    "of the train step or forward (the default tier runs it on its primary mesh only)",
 )
 """Markers a user's own test over the plugin's axes may carry (the suite's checks say
 the same in the check registry)."""

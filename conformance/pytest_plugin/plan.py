@@ -75,7 +75,11 @@ class Planned:
         return self.id
 
     def facets(self) -> dict[str, Any]:
-        """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion."""
+        """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion.
+
+        ``variant`` (with ``mesh``): whether the check is a variant of the plain step
+        or forward (:attr:`~conformance.checks.registry.Check.variant`).
+        """
         dtype_ids = {v: k for k, v in DTYPES.items()}
         found: dict[str, Any] = {
             "scan_layers": self.values.get("scan_layers"),
@@ -83,6 +87,7 @@ class Planned:
         }
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
             found["mesh"] = mesh
+            found["variant"] = self.check.variant
         if "dtype" in self.values:
             found["dtype"] = dtype_ids.get(self.values["dtype"], "")
         if "layouts" in self.params:
@@ -279,12 +284,14 @@ def skip_reason(planned: Planned) -> str | None:
 
 
 def marks(planned: Planned) -> list[pytest.MarkDecorator]:
-    """Its marks: ``golden`` if it has one, and a skip or a strict xfail.
+    """Its marks: ``golden``, ``variant`` (if the check is one), a skip or a strict xfail.
 
     The skip says :func:`skip_reason`; without one, a test expected to fail
     (:meth:`Planned.expected`) is a strict xfail.
     """
     found = [pytest.mark.golden] if planned.check.golden else []
+    if planned.check.variant:
+        found.append(pytest.mark.variant)
     if (reason := skip_reason(planned)) is not None:
         return [*found, pytest.mark.skip(reason=reason)]
     if (expected := planned.expected()) is not None:
@@ -295,8 +302,8 @@ def marks(planned: Planned) -> list[pytest.MarkDecorator]:
 def user_check(definition: pytest.Function, fixtures: Any) -> Check:
     """The :class:`Check` a user's own test describes: the axes it asks for and its marks.
 
-    The markers ``golden``, ``capability(name)``, ``layouts(*scan_layers)`` and
-    ``quant_method(name)`` say what the registry says of a registered check.
+    The markers ``golden``, ``variant``, ``capability(name)``, ``layouts(*scan_layers)``
+    and ``quant_method(name)`` say what the registry says of a registered check.
     """
     capabilities = [m.args[0] for m in definition.iter_markers("capability")]
     methods = [m.args[0] for m in definition.iter_markers("quant_method")]
@@ -308,6 +315,7 @@ def user_check(definition: pytest.Function, fixtures: Any) -> Check:
         layouts=tuple(s for m in definition.iter_markers("layouts") for s in m.args),
         quant_method=methods[0] if methods else None,
         golden=definition.get_closest_marker("golden") is not None,
+        variant=definition.get_closest_marker("variant") is not None,
     )
 
 

@@ -97,6 +97,7 @@ class Settings:
             + ", ".join(tier.dtypes or DTYPES)
             + (" (below f32 on the primary mesh only)" if tier.low_precision_on_primary else ""),
             "one quantization mode per method" if tier.one_mode_per_method else "every mode",
+            *(["variant checks on the primary mesh only"] if tier.variants_on_primary else []),
             "expected failures run" if tier.expected_failures else "expected failures left out",
         ]
         families = ", ".join(f.name for f in self.families) or "none"

@@ -10,7 +10,9 @@ never reports another tier's goldens as unused.
   the device size only; every check at least once per family.
 * ``default``: what CI gates on. Both default meshes (the multi-axis one first, then
   ``fsdp=8``), both layer layouts, float32 and bfloat16 (bfloat16 on the primary mesh),
-  one quantization mode per method, every checkpoint conversion.
+  one quantization mode per method, every checkpoint conversion; the variant checks
+  (quantized, lower-precision, accumulated, tiled steps and forwards) on the primary
+  mesh.
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -56,6 +58,10 @@ class Tier:
     """Keep the TPU compiles at production sizes (``--tpu ...@production``)."""
     low_precision_on_primary: bool = False
     """Keep dtypes below float32 on the primary mesh (the first of ``meshes``) only."""
+    variants_on_primary: bool = False
+    """Keep the variant checks (quantized, lower-precision, accumulated, tiled steps and
+    forwards: :attr:`~conformance.checks.registry.Check.variant`) on the primary mesh
+    only."""
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -67,7 +73,8 @@ class Tier:
     def leaves_out(self, family: Family, facets: Mapping[str, Any]) -> str:
         """Why this tier leaves out the test of ``family`` with ``facets``; ``""`` if kept.
 
-        ``facets`` describe a test by name: ``mesh`` (a device mesh), ``scan_layers``,
+        ``facets`` describe a test by name: ``mesh`` (a device mesh), ``variant`` (a
+        variant check, :attr:`~conformance.checks.registry.Check.variant`), ``scan_layers``,
         ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts`` (a checkpoint
         conversion's source and target layouts, ``True``: scanned) and ``tpu_production``
         (a TPU compile at production sizes); a test lacking one is not narrowed by it.
@@ -84,9 +91,12 @@ class Tier:
         dtype = facets.get("dtype")
         if dtype and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype}"
-        primary = self.meshes[0] if self.meshes and self.low_precision_on_primary else None
-        if primary and dtype not in (None, "f32") and mesh is not None and mesh.id != primary:
+        primary = self.meshes[0] if self.meshes else None
+        off_primary = primary is not None and mesh is not None and mesh.id != primary
+        if off_primary and self.low_precision_on_primary and dtype not in (None, "f32"):
             return f"dtype {dtype} on mesh {mesh.id} (only on the primary mesh, {primary})"
+        if off_primary and self.variants_on_primary and facets.get("variant"):
+            return f"variant check on mesh {mesh.id} (only on the primary mesh, {primary})"
         quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"
@@ -134,6 +144,7 @@ TIERS: dict[str, Tier] = {
             same_layout_conversions=False,
             expected_failures=False,
             low_precision_on_primary=True,
+            variants_on_primary=True,
         ),
         Tier(
             "full",

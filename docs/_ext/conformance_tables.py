@@ -60,7 +60,12 @@ def _summary(check: Check) -> str:
 def _over(check: Check) -> str:
     axes = [axis for axis in check.axes if axis != "family"]
     axes += [name for name, _ in check.params]
-    return ", ".join(f"`{axis}`" for axis in axes) or "family"
+    over = [f"`{axis}`" for axis in axes]
+    if check.variant:
+        over = [
+            f"{axis} (`default`: the primary one)" if axis == "`mesh`" else axis for axis in over
+        ]
+    return ", ".join(over) or "family"
 
 
 def _needs(check: Check) -> str:
