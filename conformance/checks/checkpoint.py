@@ -22,6 +22,7 @@ from conformance.checks.kernel import (
     judged_disagreement,
     misplaced,
     rerun_note,
+    restored_into,
     step_tree,
     steps_agree,
     train_pair,
@@ -232,14 +233,8 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
     directory = Path(workdir) / "resume"
     save(directory, saved, CheckpointInfo(case.family.name, case.size, backend, case.scan_layers))
     resumed = Training.start(side)
-    try:
-        restored = restore(directory, specs(saved), {p: v.sharding for p, v in saved.items()})
-    except CheckpointError as err:
-        fail(str(err))
-    if mismatches := compare_trees(saved, restored, EXACT):
-        title = f"{side.name} state restored from the checkpoint of step {RESUME_STEPS}"
-        fail(failed(title, mismatches, ("saved", "restored")))
-    resumed.state = jax.device_put(resumed.trainer.tree(restored), resumed.shardings)
+    what = f"{side.name} state restored from the checkpoint of step {RESUME_STEPS}"
+    restored_into(directory, saved, resumed, what)
     total = 2 * RESUME_STEPS
     for step, want in enumerate(expected, start=RESUME_STEPS + 1):
         mismatches = compare_trees(step_tree(want), step_tree(resumed.advance(batch)), EXACT)

@@ -14,19 +14,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
-
 from conformance.checks import raised
 from conformance.checks.declare import Axis, declare
-from conformance.checks.kernel import steps_agree
+from conformance.checks.kernel import restored_into, steps_agree
 from conformance.contract import Backend, TreeMode, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import CheckFailure, fail, fail_if_any
-from conformance.core.numerics import EXACT, compare_trees, tolerance_for
+from conformance.core.numerics import compare_trees, tolerance_for
 from conformance.core.records import failed
-from conformance.core.trees import Flat, specs
+from conformance.core.trees import Flat
 from conformance.runtime.case import Case
-from conformance.runtime.checkpoints import CheckpointError, CheckpointInfo, restore, save
+from conformance.runtime.checkpoints import CheckpointInfo, save
 from conformance.runtime.modes import NnxTreeSide, shared_references, tree_mode
 from conformance.runtime.sides import NnxSide, Side
 from conformance.runtime.stepping import StepResult, Training
@@ -61,20 +59,6 @@ def _layout_differences(graph: Layout, tree: Layout) -> list[str]:
     return problems
 
 
-def _restored(directory: Path, saved: Mapping[str, Any], into: Training, what: str) -> Flat:
-    """The checkpoint in ``directory`` restored strictly into ``into``'s train state."""
-    layout = specs(flat_state(into.trainer.abstract_state))
-    shardings = {p: v.sharding for p, v in saved.items()}
-    try:
-        restored = restore(directory, layout, shardings)
-    except CheckpointError as err:
-        fail(f"{what}: {err}")
-    if mismatches := compare_trees(saved, restored, EXACT):
-        fail(failed(what, mismatches, ("saved", "restored")))
-    into.state = jax.device_put(into.trainer.tree(restored), into.shardings)
-    return restored
-
-
 def _in_tree_mode(
     case: Case, graph: Layout, params: Flat, checkpoint: tuple[Path, Flat], workdir: Path
 ) -> tuple[Any, StepResult, StepResult, Flat]:
@@ -96,7 +80,7 @@ def _in_tree_mode(
     state = flat_state(training.state)
     save(workdir / "tree", state, _info(case))
     resumed = Training.start(tree, params)
-    _restored(*checkpoint, resumed, f"{GRAPH}'s checkpoint of step 1 read in tree mode")
+    restored_into(*checkpoint, resumed, f"{GRAPH}'s checkpoint of step 1 read in tree mode")
     return logits, first, resumed.advance(batch), state
 
 
@@ -155,4 +139,4 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     steps_agree(f"one train step on mesh {case.mesh.id}", first, tree_first, MODES)
     steps_agree(f"step 2, tree mode resumed from {GRAPH}'s checkpoint", second, resumed, MODES)
     back = Training.start(graph, params)
-    _restored(workdir / "tree", tree_state, back, f"{TREE}'s checkpoint read in graph mode")
+    restored_into(workdir / "tree", tree_state, back, f"{TREE}'s checkpoint read in graph mode")
