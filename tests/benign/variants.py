@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import string
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -86,23 +85,6 @@ _EINSUM_PTQ = (
     "quantized operands differently from a dot_general (the quantized parameters agree "
     "exactly; logits 2.1e-2 apart in relative L2, each side 3.4e-2 from its float run); "
     "the report says the float forwards agree bitwise and the sides quantize differently"
-)
-
-
-def _amd_with_avx512() -> bool:
-    """Whether this host is CI's machine kind A: an AMD EPYC with AVX-512 (Linux only)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    text = cpuinfo.read_text() if cpuinfo.exists() else ""
-    return "AuthenticAMD" in text and " avx512f" in text
-
-
-_JAX_ATTENTION_QAT = (
-    "a false alarm, seen only on CI's machine kind A (AMD EPYC with AVX-512): after three "
-    "qat_int8 train steps on data2-fsdp2-tensor2 the losses are 5.843e-04 apart (relative) "
-    "against a bound of 5.134e-04 (1.14x), twice the most a one-ulp nudge moves either "
-    "side, at af892fd and later; af892fd's landing CI and an Intel Xeon (f12ba35) passed "
-    "it. Each side's own partitioning spread does not cover it either. The QAT step "
-    "judge needs a wider sample of rounding than two nudges"
 )
 
 
@@ -317,9 +299,6 @@ VARIANTS: tuple[Variant, ...] = (
         "it accumulates the scores in float32, a precision change the family accepts",
         ((llama_nnx.Attention, "__call__", jax_attention),),
         JaxAttentionLlama(),
-        expected_failures=(
-            {("qat_train_step", "qat_int8"): _JAX_ATTENTION_QAT} if _amd_with_avx512() else {}
-        ),
     ),
     Variant(
         "fused-qkv",

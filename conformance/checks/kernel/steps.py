@@ -26,8 +26,8 @@ from conformance.core.failure import fail
 from conformance.core.numerics import EXACT, Tolerance, compare_trees, report, tolerance_for
 from conformance.core.records import emit, failed, listening, measure
 from conformance.core.rounding import (
-    NUDGE_SEEDS,
     SENSITIVITY_FACTOR,
+    STEP_NUDGE_SEEDS,
     RoundingVerdict,
     one_ulp_nudge,
     relative_l2,
@@ -424,7 +424,7 @@ def rounding_step(
 
     @functools.cache
     def nudged() -> list[list[tuple[StepResult, ...]]]:
-        return [train_steps(case, one_ulp_nudge(start, seed))[1] for seed in NUDGE_SEEDS]
+        return [train_steps(case, one_ulp_nudge(start, seed))[1] for seed in STEP_NUDGE_SEEDS]
 
     def judge(index: int, steps: tuple[StepResult, StepResult]) -> RoundingVerdict:
         def moved() -> tuple[list[Flat], list[Flat]]:
