@@ -12,6 +12,7 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
 * :mod:`~conformance.checks.kernel.steps`: train steps;
+* :mod:`~conformance.checks.kernel.checkpoints`: a train state restored strictly;
 * :mod:`~conformance.checks.kernel.recorded`: a live side against a recorded reference;
 * :mod:`~conformance.checks.kernel.variants`: a train step with a variant that must not
   change numerics (accumulation, a tiled loss) against the plain step;
@@ -32,6 +33,7 @@ from conformance.checks.kernel.activations import (
     layout_rows,
     unanswered,
 )
+from conformance.checks.kernel.checkpoints import restored_into
 from conformance.checks.kernel.layouts import (
     agreed_specs,
     leaf_table,
@@ -72,7 +74,6 @@ from conformance.checks.kernel.steps import (
     judged_disagreement,
     leaf_group,
     rerun_note,
-    restored_into,
     rounding_step,
     spread_verdict,
     step_disagreement,

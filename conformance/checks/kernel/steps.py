@@ -10,11 +10,9 @@ side's own spread (:func:`spread_verdict`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,8 +21,8 @@ from conformance.checks.kernel.logits import attributed
 from conformance.core.distributed import host_array
 from conformance.core.environment import nondeterminism
 from conformance.core.failure import fail
-from conformance.core.numerics import EXACT, Tolerance, compare_trees, report, tolerance_for
-from conformance.core.records import emit, failed, listening, measure
+from conformance.core.numerics import Tolerance, compare_trees, report, tolerance_for
+from conformance.core.records import emit, listening, measure
 from conformance.core.rounding import (
     SENSITIVITY_FACTOR,
     STEP_NUDGE_SEEDS,
@@ -35,13 +33,11 @@ from conformance.core.rounding import (
     twins_disagree,
     within_rounding,
 )
-from conformance.core.trees import Flat, specs
+from conformance.core.trees import Flat
 from conformance.runtime.case import Case
-from conformance.runtime.checkpoints import CheckpointError, restore
 from conformance.runtime.diagnose.attribution import noise_masked
 from conformance.runtime.sides import live_pair
 from conformance.runtime.stepping import StepResult, Training
-from conformance.runtime.train_state import flat_state
 from conformance.runtime.transplant import TransplantError
 
 STEPS = 3
@@ -443,21 +439,3 @@ def rounding_step(
         )
 
     return judge
-
-
-def restored_into(directory: Path, saved: Mapping[str, Any], into: Training, what: str) -> Flat:
-    """The train state saved in ``directory`` restored strictly into ``into``; returned.
-
-    Restored in the layout of ``into``'s own train state with ``saved``'s shardings, it
-    must be byte for byte ``saved``: a checkpoint that cannot be read, or any leaf that
-    differs, fails the check under the title ``what``. ``into`` then holds it, placed.
-    """
-    layout = specs(flat_state(into.trainer.abstract_state))
-    try:
-        restored = restore(directory, layout, {p: v.sharding for p, v in saved.items()})
-    except CheckpointError as err:
-        fail(f"{what}: {err}")
-    if mismatches := compare_trees(saved, restored, EXACT):
-        fail(failed(what, mismatches, ("saved", "restored")))
-    into.state = jax.device_put(into.trainer.tree(restored), into.shardings)
-    return restored
