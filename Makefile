@@ -102,11 +102,15 @@ parity: $(STAMP)
 
 ## The parity run, then the harness's own tests (units and the planted-fault catalogue,
 ## at the same tier); fails if either fails, including pytest's exit 5 (nothing collected).
+## On workers, tests/ is dealt out by module (--dist loadfile): the planted faults, and the
+## benign variants, keep the programs of the sides they leave unchanged for the next one,
+## which a module spread over workers compiles on each.
 test: $(STAMP)
 	@status=0; \
 	$(BIN)/python -m conformance $(BUILTIN) --tier $(TIER) $(WORKERS_ARG) $(REPORT_ARG) \
 	  $(ARGS) || status=$$?; \
 	$(BIN)/python -m pytest -p no:cacheprovider tests --conformance-tier $(TIER) $(WORKERS_ARG) \
+	  $(if $(WORKERS_ARG),--dist loadfile) \
 	  $(if $(REPORT),--conformance-report=$(abspath $(REPORT))) || status=$$?; \
 	exit $$status
 
