@@ -81,8 +81,10 @@ def zoo_run(tmp_path_factory):
 def test_the_zoos_goldens_are_read_back(zoo_run):
     _, _, project = zoo_run
     site = project.parent / "site"
-    compiled = "not (cost or activation_sharding)"
-    reread = run_suite(project, site, project.parent / "reread.xml", "-m", "golden", "-k", compiled)
+    uncompiled = "not (cost or activation_sharding)"
+    reread = run_suite(
+        project, site, project.parent / "reread.xml", "-m", "golden", "-k", uncompiled
+    )
     assert reread.returncode == 0, reread.stdout[-5000:] + reread.stderr[-3000:]
     cases = list(ET.parse(project.parent / "reread.xml").iter("testcase"))
     read = {c.get("name").split("[")[0] for c in cases if c.find("skipped") is None}
