@@ -121,6 +121,24 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same_segment & key_valid)[:, None]
 
 
+def explicit_sharding(x: jax.Array) -> Any:
+    """``x``'s sharding if it is traced on a mesh with explicit axes, else ``None``.
+
+    What an operation whose result jax's explicit sharding mode cannot infer is told to
+    lay its result out as; ``None`` leaves it to the compiler, as outside that mode.
+    """
+    sharding = jax.typeof(x).sharding
+    return sharding if jax.sharding.AxisType.Explicit in sharding.mesh.axis_types else None
+
+
+def _repeat_heads(x: jax.Array, times: int) -> jax.Array:
+    """Each head of ``[batch, seq, heads, head_dim]`` ``x`` repeated ``times`` in place.
+
+    In jax's explicit sharding mode, laid out as ``x``: each device repeats its own heads.
+    """
+    return jnp.repeat(x, times, axis=2, out_sharding=explicit_sharding(x))
+
+
 def dot_product_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype: Any
 ) -> jax.Array:
@@ -137,8 +155,7 @@ def dot_product_attention(
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if heads != kv_heads:
-        k = jnp.repeat(k, heads // kv_heads, axis=2)
-        v = jnp.repeat(v, heads // kv_heads, axis=2)
+        k, v = _repeat_heads(k, heads // kv_heads), _repeat_heads(v, heads // kv_heads)
     q = q.astype(dtype) * jnp.asarray(head_dim**-0.5, dtype)
     k, v = k.astype(dtype), v.astype(dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from conformance_models import aqt, common
 from conformance_models.common import EMBED_INIT, kernel_init
@@ -42,7 +42,63 @@ def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -
     if config.mesh is None:
         return x
     spec = nn.logical_to_mesh_axes(common.divisible_names(x.shape, names, config), config.rules)
+    if explicit_mode():
+        return jax.sharding.reshard(x, NamedSharding(config.mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
+
+
+def explicit_mode() -> bool:
+    """Whether the mesh in context (``jax.set_mesh``) has explicit axes."""
+    return AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(x: jax.Array) -> tuple[Any, ...]:
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def like(value: jax.Array, x: jax.Array) -> jax.Array:
+    """``value`` laid out as ``x``'s trailing dimensions, to broadcast against ``x``.
+
+    Identity outside explicit mode, where the compiler lays values out.
+    """
+    if not explicit_mode():
+        return value
+    return jax.sharding.reshard(value, PartitionSpec(*_spec(x)[x.ndim - value.ndim :]))
+
+
+def gathered(kernel: jax.Array, x: jax.Array, num_in: int = 0) -> jax.Array:
+    """``kernel`` whole over every mesh axis ``x``'s leading dimensions are split over.
+
+    FSDP gathers weights, not activations. With ``num_in``, the kernel's first
+    ``num_in`` dimensions (contracted with ``x``'s last ``num_in``) are laid out as
+    ``x``'s. Identity outside jax's explicit sharding mode, where the compiler gathers.
+    """
+    if not explicit_mode():
+        return kernel
+    lead, contracted = _spec(x)[: x.ndim - num_in], _spec(x)[x.ndim - num_in :]
+    used = {axis for entry in lead for axis in _axes(entry)}
+    kept = tuple(None if set(_axes(e)) & used else e for e in _spec(kernel)[len(contracted) :])
+    return jax.sharding.reshard(kernel, PartitionSpec(*contracted, *kept))
+
+
+def explicit_dot(x: jax.Array, kernel: jax.Array, num_in: int) -> jax.Array:
+    """``x`` contracted with ``kernel`` over ``x``'s last ``num_in`` axes, in explicit mode.
+
+    The kernel is :func:`gathered`; the result keeps ``x``'s leading layout and the
+    kernel's output layout, summed over the devices the contraction is split over.
+    """
+    lead = _spec(x)[: x.ndim - num_in]
+    kernel = gathered(kernel, x, num_in)
+    out = _spec(kernel)[num_in:]
+    contract = (tuple(range(x.ndim - num_in, x.ndim)), tuple(range(num_in)))
+    return jax.lax.dot_general(
+        x, kernel, (contract, ((), ())), out_sharding=PartitionSpec(*lead, *out)
+    )
 
 
 class DenseGeneral(nnx.Module):
@@ -115,10 +171,12 @@ class DenseGeneral(nnx.Module):
             y = self.AqtDotGeneral_0(x, kernel, dimension_numbers, None, mutable=mutable)
         elif self.fp8:
             y = self.Fp8DirectDotGeneralOp_0(x, kernel, dimension_numbers)
+        elif explicit_mode():
+            y = explicit_dot(x, kernel, self.num_in)
         else:
             y = jax.lax.dot_general(x, kernel, dimension_numbers)
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
+            y = y + like(self.bias[...].astype(self.dtype), y)
         return y
 
 
@@ -141,7 +199,11 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """Look up ``ids`` and return the rows in ``dtype``."""
-        return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
+        table = self.embedding[...].astype(self.dtype)
+        if explicit_mode():
+            table = jax.sharding.reshard(table, PartitionSpec())
+            return table.at[ids].get(out_sharding=PartitionSpec(*_spec(ids), None))
+        return jnp.take(table, ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Return ``x @ embedding.T`` in ``dtype`` (tied output logits)."""

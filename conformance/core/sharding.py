@@ -114,6 +114,20 @@ class MeshSpec:
         return self.id
 
 
+def explicit(mesh: Mesh) -> Mesh:
+    """``mesh``'s devices and axis names with every axis explicit (jax's explicit sharding).
+
+    Arrays placed on it carry their sharding in their type, and operations whose result's
+    sharding is ambiguous fail when traced instead of leaving it to the compiler.
+    """
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.devices.ndim)
+
+
+def explicit_mode() -> bool:
+    """Whether the mesh in context (``jax.set_mesh``) has an explicit axis."""
+    return AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
+
+
 def one_device(mesh: MeshSpec) -> MeshSpec:
     """The one-device counterpart of ``mesh``: its axes (and the default ones) at size 1.
 

@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance.contract import Batch
+from conformance.core.sharding import explicit_mode
 from conformance.core.trees import flatten
 from conformance.runtime.backends import OVERWRITE
 
@@ -51,6 +52,18 @@ def target_weights(batch: Batch, predicts: str = "next") -> jax.Array:
     return (real & follows).astype(jnp.float32)
 
 
+def whole_last_axis(logits: jax.Array) -> jax.Array:
+    """``logits`` with their last (class) axis whole on each device in explicit mode.
+
+    Picking each target's logit is a gather whose result's sharding jax cannot infer
+    from logits split over their classes. Outside explicit mode: ``logits`` as they are.
+    """
+    if not explicit_mode():
+        return logits
+    spec = tuple(jax.typeof(logits).sharding.spec)[: logits.ndim - 1]
+    return jax.sharding.reshard(logits, PartitionSpec(*spec, *(None,) * (logits.ndim - len(spec))))
+
+
 def masked_token_loss(
     logits: jax.Array, batch: Batch, predicts: str = "next"
 ) -> tuple[jax.Array, jax.Array]:
@@ -60,7 +73,7 @@ def masked_token_loss(
     """
     weights = target_weights(batch, predicts)
     losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch.targets
+        whole_last_axis(logits.astype(jnp.float32)), batch.targets
     )
     return jnp.sum(losses * weights), jnp.sum(weights)
 

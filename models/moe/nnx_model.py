@@ -11,7 +11,7 @@ from flax import nnx
 from conformance_models.llama import nnx_model as llama
 from conformance_models.moe import routing
 from conformance_models.moe.config import MoeConfig
-from conformance_models.nnx_layers import DenseGeneral
+from conformance_models.nnx_layers import DenseGeneral, gathered
 
 
 class MoeMlp(nnx.Module):
@@ -47,9 +47,8 @@ class MoeMlp(nnx.Module):
             routing.AUX_LOSS,
             routing.load_balancing_loss(probs, cfg.lb_weight),
         )
-        return routing.mix_experts(
-            x, probs, self.wi_gate[...], self.wi_up[...], self.wo[...], cfg.dtype
-        )
+        kernels = (gathered(w[...], x) for w in (self.wi_gate, self.wi_up, self.wo))
+        return routing.mix_experts(x, probs, *kernels, cfg.dtype)
 
 
 class Block(llama.Block):

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from conformance_models import common
+
 AUX_LOSS = "moe_lb_loss"
 """The name under which every MoE layer sows its load-balancing loss."""
 
@@ -50,4 +52,10 @@ def mix_experts(
     x = x.astype(dtype)
     hidden = jax.nn.silu(jnp.einsum("bsd,edm->bsem", x, gate.astype(dtype)))
     hidden = hidden * jnp.einsum("bsd,edm->bsem", x, up.astype(dtype))
-    return jnp.einsum("bsem,emd,bse->bsd", hidden, down.astype(dtype), probs.astype(dtype))
+    return jnp.einsum(
+        "bsem,emd,bse->bsd",
+        hidden,
+        down.astype(dtype),
+        probs.astype(dtype),
+        out_sharding=common.explicit_sharding(x),
+    )
