@@ -18,6 +18,7 @@ from conformance.families import (
     Bridges,
     Decode,
     Dropout,
+    ExplicitSharding,
     Family,
     Feature,
     Fp8,
@@ -70,6 +71,7 @@ class TransformerFamily(Family):
             Recorded((Backend.LINEN,)),
             Bridges(linen=0, nnx=0),
             TreeMode(),
+            ExplicitSharding(),
         )
 
     def config(

@@ -77,6 +77,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "recorded_decode",
         "recorded_quant_forward",
         "tree_mode",
+        "explicit_sharding",
     }
     assert ran == expected
 

@@ -498,6 +498,26 @@ def test_the_default_tier_runs_variant_checks_on_its_primary_mesh_only():
     assert given.leaves_out(family, {"mesh": other, "variant": True}) == "", "--mesh keeps all"
 
 
+def test_the_default_tier_runs_mode_pairs_in_the_preferred_layout_only():
+    family = Gpt3Family()
+    default, full = get_tier("default"), get_tier("full")
+    assert default.leaves_out(family, {"scan_layers": False, "mode_pair": True}) == ""
+    assert default.leaves_out(family, {"scan_layers": True, "mode_pair": False}) == ""
+    assert default.leaves_out(family, {"scan_layers": True, "mode_pair": True}) == (
+        "mode pair in layout scan (only in loop)"
+    )
+    assert full.leaves_out(family, {"scan_layers": True, "mode_pair": True}) == ""
+
+
+def test_mode_pairs_are_the_checks_comparing_two_modes_of_nnx():
+    from conformance.checks.registry import BUILTIN
+
+    assert {name for name, check in BUILTIN.items() if check.mode_pair} == {
+        "explicit_sharding",
+        "tree_mode",
+    }
+
+
 def test_variant_checks_are_the_quantized_accumulated_and_tiled_ones():
     from conformance.checks.registry import BUILTIN
 

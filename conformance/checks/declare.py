@@ -84,6 +84,10 @@ class Check:
     micro-batches, with a tiled loss), partitioned as the plain programs are: the
     ``default`` tier runs it on the primary mesh only (``full`` on every mesh), and its
     tests carry the ``variant`` marker, so a run can leave them out (``-m "not variant"``)."""
+    mode_pair: bool = False
+    """The check compares two modes of the NNX model (graph against tree mode, auto
+    against explicit axes) rather than two backends: the ``default`` tier runs it in the
+    family's preferred layer layout only, as ``smoke`` does (``full`` in every layout)."""
     quant_method: str | None = None
     """Parametrize ``quant`` only over modes of this method (``qat``, ``ptq``)."""
     golden: bool = False

@@ -1,4 +1,4 @@
-"""Two modes of one backend compared: NNX in graph mode against NNX in tree mode.
+"""Two modes of one backend: NNX in graph against tree mode, on auto against explicit axes.
 
 flax plans NNX's tree mode as its default (``nnx_graph_mode=False``,
 ``nnx_graph_updates=False``). A zoo moving to it may rewrite code tree mode cannot run
@@ -6,32 +6,57 @@ flax plans NNX's tree mode as its default (``nnx_graph_mode=False``,
 The ``tree_mode`` check holds the family's NNX model in graph mode and the same model
 (or the rewrite it declares, :class:`~conformance.contract.TreeMode`) in tree mode to the
 same parameters, forward, train steps and checkpoints.
+
+jax's explicit sharding mode makes shardings part of array types: a model written for
+auto axes can fail there, or be rewritten to lay its activations out differently. The
+``explicit_sharding`` check holds the family's NNX model on auto axes and the same model
+(or the rewrite it declares, :class:`~conformance.contract.ExplicitSharding`) on the
+same devices with explicit axes to the same parameters, forward, train step and
+activation layouts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from conformance.checks import raised
 from conformance.checks.declare import Axis, declare
-from conformance.checks.kernel import restored_into, steps_agree
+from conformance.checks.kernel import (
+    PROGRAMS,
+    compare_tables,
+    restored_into,
+    steps_agree,
+    unanswered,
+)
 from conformance.contract import Backend, TreeMode, required
 from conformance.core.distributed import host_array
 from conformance.core.failure import CheckFailure, fail, fail_if_any
 from conformance.core.numerics import compare_trees, tolerance_for
 from conformance.core.records import failed
 from conformance.core.trees import Flat
-from conformance.runtime.case import Case
+from conformance.runtime.activations import Table
+from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointInfo, save
-from conformance.runtime.modes import NnxTreeSide, shared_references, tree_mode
+from conformance.runtime.modes import (
+    NnxExplicitSide,
+    NnxTreeSide,
+    explicit_sharding,
+    shared_references,
+    tree_mode,
+)
 from conformance.runtime.sides import NnxSide, Side
 from conformance.runtime.stepping import StepResult, Training
 from conformance.runtime.train_state import flat_state
 
 GRAPH, TREE = "NNX graph mode", NnxTreeSide.name
 MODES = (GRAPH, TREE)
+AUTO, EXPLICIT = "NNX auto sharding", NnxExplicitSide.name
+SHARDING_MODES = (AUTO, EXPLICIT)
+SHOWN = 6
+"""Values laid out differently a report lists per program, in call order; the rest are counted."""
 
 
 Layout = tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]
@@ -43,18 +68,21 @@ def _layout(side: Side) -> Layout:
     return runner.specs, runner.logical, runner.held
 
 
-def _layout_differences(graph: Layout, tree: Layout) -> list[str]:
-    """Every parameter or held value the two modes build differently, a line each."""
+def _layout_differences(
+    graph: Layout, tree: Layout, modes: tuple[str, str] = ("graph mode", "tree mode")
+) -> list[str]:
+    """Every parameter or held value the two ``modes`` build differently, a line each."""
     problems = []
     kinds = ("parameter", "logical axis names", "held beside the parameters")
+    one, other = modes
     for what, first, second in zip(kinds, graph, tree, strict=True):
         for path in sorted(set(first) | set(second)):
             if path not in second:
-                problems.append(f"{path}: {what} {first[path]} in graph mode only")
+                problems.append(f"{path}: {what} {first[path]} in {one} only")
             elif path not in first:
-                problems.append(f"{path}: {what} {second[path]} in tree mode only")
+                problems.append(f"{path}: {what} {second[path]} in {other} only")
             elif first[path] != second[path]:
-                both = f"{first[path]} in graph mode, {second[path]} in tree mode"
+                both = f"{first[path]} in {one}, {second[path]} in {other}"
                 problems.append(f"{path}: {what} {both}")
     return problems
 
@@ -84,6 +112,29 @@ def _in_tree_mode(
     return logits, first, resumed.advance(batch), state
 
 
+@contextlib.contextmanager
+def _raised_as(case: Case, mode: str, other: str) -> Iterator[None]:
+    """An exception raised inside (not a check's own failure) reported as ``mode``'s."""
+    try:
+        yield
+    except CheckFailure:
+        raise
+    except Exception as err:
+        fail(raised.mode_report(err, case.family, mode, other))
+
+
+def _same_forward_and_step(
+    case: Case, one: tuple[Any, StepResult], other: tuple[Any, StepResult], modes: tuple[str, str]
+) -> None:
+    """Both modes' logits and first train steps agree, as ``(logits, step)`` of each."""
+    (logits, first), (theirs, their_first) = one, other
+    if mismatches := compare_trees(
+        {"logits": logits}, {"logits": theirs}, tolerance_for(case.dtype)
+    ):
+        fail(failed(f"forward on mesh {case.mesh.id}", mismatches, modes))
+    steps_agree(f"one train step on mesh {case.mesh.id}", first, their_first, modes)
+
+
 def _info(case: Case) -> CheckpointInfo:
     return CheckpointInfo(case.family.name, case.size, Backend.NNX, case.scan_layers)
 
@@ -94,6 +145,7 @@ def _info(case: Case) -> CheckpointInfo:
     capability="tree_mode",
     workdir=True,
     pair=False,
+    mode_pair=True,
 )
 def check_tree_mode(case: Case, workdir: Path) -> None:
     """The NNX model in tree mode agrees with itself in graph mode.
@@ -124,19 +176,78 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     save(*checkpoint, _info(case))
     second = straight.advance(batch)
     built = _layout(graph)
-    try:
-        with tree_mode():
-            tree_logits, tree_first, resumed, tree_state = _in_tree_mode(
-                case, built, params, checkpoint, workdir
-            )
-    except CheckFailure:
-        raise
-    except Exception as err:
-        fail(raised.mode_report(err, case.family, TREE, GRAPH))
-    tolerance = tolerance_for(case.dtype)
-    if mismatches := compare_trees({"logits": logits}, {"logits": tree_logits}, tolerance):
-        fail(failed(f"forward on mesh {case.mesh.id}", mismatches, MODES))
-    steps_agree(f"one train step on mesh {case.mesh.id}", first, tree_first, MODES)
+    with _raised_as(case, TREE, GRAPH), tree_mode():
+        tree_logits, tree_first, resumed, tree_state = _in_tree_mode(
+            case, built, params, checkpoint, workdir
+        )
+    _same_forward_and_step(case, (logits, first), (tree_logits, tree_first), MODES)
     steps_agree(f"step 2, tree mode resumed from {GRAPH}'s checkpoint", second, resumed, MODES)
     back = Training.start(graph, params)
     restored_into(workdir / "tree", tree_state, back, f"{TREE}'s checkpoint read in graph mode")
+
+
+_LAYOUT_CAUSE = (
+    "likely cause: a partitioning change, not a numeric one: the explicit side lays this "
+    "value out as its own code says (jax.sharding.reshard, an out_sharding, a gathered "
+    "weight) and the auto side as the compiler chose from its sharding constraints; the "
+    "numbers agree either way, the collectives and memory do not"
+)
+
+
+FORWARD, _ = PROGRAMS
+"""The program whose layouts the modes are compared by: on explicit axes a value's
+layout is part of its type, fixed where it is traced, so a train step's forward lays
+its values out as the forward does."""
+
+
+def _layout_problems(case: Case, auto: Table, explicit: Table) -> list[str]:
+    """Every module call value the explicit side's forward lays out otherwise, in words."""
+    same = {call.path: call.path for call in auto.calls}
+    laid_out = compare_tables(auto, explicit, same)
+    problems = unanswered(auto, explicit, SHARDING_MODES) + [
+        d.describe(case.mesh.sizes(), SHARDING_MODES) for d in laid_out[:SHOWN]
+    ]
+    if len(laid_out) > SHOWN:
+        problems.append(f"... and {len(laid_out) - SHOWN} more value(s) laid out differently")
+    return [*(f"{FORWARD.name}: {line}" for line in problems), _LAYOUT_CAUSE] if problems else []
+
+
+@declare(
+    (Axis.FAMILY, Axis.SCAN_LAYERS),
+    where="primary",
+    capability="explicit_sharding",
+    pair=False,
+    mode_pair=True,
+)
+def check_explicit_sharding(case: Case) -> None:
+    """The NNX model on explicit mesh axes agrees with itself on auto axes.
+
+    The model on explicit axes is the rewrite the family declares for them
+    (:class:`~conformance.contract.ExplicitSharding`), or its own NNX module, traced with
+    the case's mesh made explicit and set in context (``jax.set_mesh``). Both build the
+    same parameters (paths, shapes, dtypes, logical axis names) and held values; from
+    the same parameters they give the same logits and the same first train step; and
+    their compiled forwards lay every module call's values out alike. An
+    exception raised on explicit axes alone (jax refusing an ambiguous sharding) is
+    reported as the explicit side's.
+    """
+    auto, batch = NnxSide(case), case.batch()
+    params = auto.init(0)
+    logits = host_array(auto.forward(params, batch)[0])
+    first = Training.start(auto, params).advance(batch)
+    built, table = _layout(auto), FORWARD.table(auto, BATCH_SIZE)
+    with _raised_as(case, EXPLICIT, AUTO), explicit_sharding(case) as on_explicit:
+        explicit = NnxExplicitSide.of(on_explicit)
+        fail_if_any(
+            f"{EXPLICIT} builds the model differently from {AUTO}",
+            _layout_differences(built, _layout(explicit), ("auto axes", "explicit axes")),
+        )
+        explicit_batch = on_explicit.batch()
+        theirs = host_array(explicit.forward(explicit.place(params), explicit_batch)[0])
+        their_first = Training.start(explicit, params).advance(explicit_batch)
+        their_table = FORWARD.table(explicit, BATCH_SIZE)
+    _same_forward_and_step(case, (logits, first), (theirs, their_first), SHARDING_MODES)
+    fail_if_any(
+        f"activation layouts differ on mesh {case.mesh.id}",
+        _layout_problems(case, table, their_table),
+    )

@@ -181,9 +181,11 @@ class Family(abc.ABC):
         ``Topologies`` the TPU slice each production size compiles for under ``--tpu
         default`` (default: ``v5p:4x4x4``) and ``Precision`` the precision differences
         between the backends the ``precision`` check accepts (default: none; every
-        difference fails it), and ``TreeMode`` that the NNX model runs in flax's tree mode,
+        difference fails it), ``TreeMode`` that the NNX model runs in flax's tree mode,
         with the rewrite it runs there if it holds shared references (undeclared, the
-        ``tree_mode`` check skips). Declaring an ability in both spellings is a load
+        ``tree_mode`` check skips), and ``ExplicitSharding`` that it runs on jax's explicit
+        mesh axes, with the rewrite it runs there if any (undeclared, the
+        ``explicit_sharding`` check skips). Declaring an ability in both spellings is a load
         error. None by default.
         """
         return ()

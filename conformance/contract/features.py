@@ -412,6 +412,28 @@ class TreeMode(Feature):
     built and traced in tree mode."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ExplicitSharding(Feature):
+    """The family's NNX model in jax's explicit sharding mode: the ``explicit_sharding`` check.
+
+    New in the second edition. With every mesh axis explicit
+    (``jax.sharding.AxisType.Explicit``, the mesh set with ``jax.set_mesh``), arrays carry
+    their sharding in their type, and an operation whose result's sharding is ambiguous
+    fails when traced instead of being laid out by the compiler. The check runs the NNX
+    model with auto axes and with explicit axes on the same devices and holds the two to
+    the same parameters, logits, train step and activation layouts. A model written for
+    auto axes alone (an embedding lookup or a contraction jax cannot lay out by itself)
+    declares the rewrite it runs with explicit axes as :attr:`nnx_module`.
+    """
+
+    capability: ClassVar[str] = "explicit_sharding"
+    optional: ClassVar[dict[str, str]] = {"nnx_module": "nnx_module(config, rngs)"}
+    nnx_module: Callable[[Any, Any], Any] | None = None
+    """``nnx_module(config, rngs)``: the model as the zoo rewrote it for explicit axes,
+    with the same parameter paths. ``None`` (the default): :meth:`Family.nnx_module`
+    itself, traced with explicit axes."""
+
+
 def with_features(base: Sequence[Feature], *new: Feature) -> tuple[Feature, ...]:
     """``base`` with each of ``new`` in place of the feature of its kind (added if none).
 

@@ -100,6 +100,11 @@ class SessionReport:
                 terminalreporter.write_line(
                     "tree_mode compares NNX in tree mode with NNX in graph mode (no Linen)"
                 )
+            if any(check == "explicit_sharding" for _, check in results):
+                terminalreporter.write_line(
+                    "explicit_sharding compares NNX on explicit mesh axes with NNX on auto "
+                    "axes (no Linen)"
+                )
         if self.config.option.update_snapshots and distributed.is_leader():
             for line in written_lines(self.config.stash.get(WRITTEN, set()), self.roots()):
                 terminalreporter.write_line(line)

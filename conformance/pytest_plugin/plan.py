@@ -78,13 +78,17 @@ class Planned:
         """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion.
 
         ``variant`` (with ``mesh``): whether the check is a variant of the plain step
-        or forward (:attr:`~conformance.checks.registry.Check.variant`).
+        or forward (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``
+        (with ``scan_layers``): whether it compares two modes of the NNX model
+        (:attr:`~conformance.checks.registry.Check.mode_pair`).
         """
         dtype_ids = {v: k for k, v in DTYPES.items()}
         found: dict[str, Any] = {
             "scan_layers": self.values.get("scan_layers"),
             "quant": self.values.get("quant"),
         }
+        if self.check.mode_pair and found["scan_layers"] is not None:
+            found["mode_pair"] = True
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
             found["mesh"] = mesh
             found["variant"] = self.check.variant

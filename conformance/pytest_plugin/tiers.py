@@ -12,7 +12,8 @@ never reports another tier's goldens as unused.
   ``fsdp=8``), both layer layouts, float32 and bfloat16 (bfloat16 on the primary mesh),
   one quantization mode per method, every checkpoint conversion; the variant checks
   (quantized, lower-precision, accumulated, tiled steps and forwards) on the primary
-  mesh.
+  mesh; the checks comparing two modes of NNX (``tree_mode``, ``explicit_sharding``)
+  in the family's preferred layout.
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -62,6 +63,10 @@ class Tier:
     """Keep the variant checks (quantized, lower-precision, accumulated, tiled steps and
     forwards: :attr:`~conformance.checks.registry.Check.variant`) on the primary mesh
     only."""
+    mode_pairs_one_layout: bool = False
+    """Keep the checks comparing two modes of the NNX model
+    (:attr:`~conformance.checks.registry.Check.mode_pair`) in the family's preferred
+    layer layout only."""
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -74,7 +79,9 @@ class Tier:
         """Why this tier leaves out the test of ``family`` with ``facets``; ``""`` if kept.
 
         ``facets`` describe a test by name: ``mesh`` (a device mesh), ``variant`` (a
-        variant check, :attr:`~conformance.checks.registry.Check.variant`), ``scan_layers``,
+        variant check, :attr:`~conformance.checks.registry.Check.variant`), ``mode_pair`` (a
+        check comparing two modes of NNX, :attr:`~conformance.checks.registry.Check.mode_pair`),
+        ``scan_layers``,
         ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts`` (a checkpoint
         conversion's source and target layouts, ``True``: scanned) and ``tpu_production``
         (a TPU compile at production sizes); a test lacking one is not narrowed by it.
@@ -88,6 +95,9 @@ class Tier:
         scan = facets.get("scan_layers")
         if self.one_layout and scan is not None and scan != preferred:
             return f"layout {'scan' if scan else 'loop'}"
+        if self.mode_pairs_one_layout and facets.get("mode_pair") and scan != preferred:
+            kept = "scan" if preferred else "loop"
+            return f"mode pair in layout {'scan' if scan else 'loop'} (only in {kept})"
         dtype = facets.get("dtype")
         if dtype and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype}"
@@ -145,6 +155,7 @@ TIERS: dict[str, Tier] = {
             expected_failures=False,
             low_precision_on_primary=True,
             variants_on_primary=True,
+            mode_pairs_one_layout=True,
         ),
         Tier(
             "full",

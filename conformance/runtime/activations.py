@@ -40,6 +40,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, PartitionSpec
 
 from conformance.core.cost import collectives
+from conformance.core.scope import kept
 from conformance.core.sharding import spec_to_json
 from conformance.runtime.aot import abstract_batch, abstract_params
 from conformance.runtime.calls import ModuleCall
@@ -250,11 +251,13 @@ class _Probes:
         return found
 
 
+@kept
 def activation_table(side: Side, rows: int = BATCH_SIZE) -> Table:
     """What the partitioner makes of each module call of ``side``'s forward on its mesh.
 
     The forward of an abstract batch of ``rows`` from abstract parameters, placed as the
-    side places them, is compiled once with probes (see the module); nothing runs.
+    side places them, is compiled once with probes (see the module); nothing runs. The
+    table is kept for the scope: every check comparing the side's layouts shares it.
     """
     case = side.case
     probes = _Probes(case.devices)
@@ -265,6 +268,7 @@ def activation_table(side: Side, rows: int = BATCH_SIZE) -> Table:
     return probes.table(jax.jit(runner.intercepted(probes.around)).trace(params, context, batch))
 
 
+@kept
 def step_table(side: Side, rows: int = BATCH_SIZE) -> Table:
     """:func:`activation_table` of ``side``'s train step: its training forward's calls.
 

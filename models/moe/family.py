@@ -6,7 +6,14 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar
 
-from conformance.families import AuxLosses, Bridges, Feature, LogicalRules, TreeMode
+from conformance.families import (
+    AuxLosses,
+    Bridges,
+    ExplicitSharding,
+    Feature,
+    LogicalRules,
+    TreeMode,
+)
 from conformance_models.common import LOGICAL_AXIS_RULES
 from conformance_models.moe import linen_model, nnx_model
 from conformance_models.moe.config import MoeConfig
@@ -35,7 +42,7 @@ class MoeFamily(TransformerFamily):
         Unlike the other transformers, one layer layout (``unsupported`` says why) and no
         decoding.
         """
-        return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0), TreeMode())
+        return (AuxLosses((AUX_LOSS,)), Bridges(linen=0, nnx=0), TreeMode(), ExplicitSharding())
 
     base_configs: ClassVar[dict[str, MoeConfig]] = {
         "tiny": MoeConfig(

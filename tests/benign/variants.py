@@ -39,7 +39,7 @@ from conformance_models.moe import nnx_model as moe_nnx
 from conformance_models.moe import routing
 from conformance_models.moe.family import MoeFamily
 from conformance_models.nnx_layers import constrain
-from tests.faults.modes import TiedByAttendInTreeMode
+from tests.faults.modes import EmbedByOneHotWhenExplicit, TiedByAttendInTreeMode
 
 CHECKS: tuple[tuple[str, str | None], ...] = (
     ("activation_sharding", None),
@@ -363,6 +363,14 @@ VARIANTS: tuple[Variant, ...] = (
         (),
         TiedByAttendInTreeMode(),
         checks=(("tree_mode", None),),
+    ),
+    Variant(
+        "embed-by-one-hot-on-explicit-axes",
+        "gpt3's NNX model looks its embeddings up by index on auto axes; its rewrite for "
+        "explicit axes contracts a one-hot encoding with the table instead",
+        (),
+        EmbedByOneHotWhenExplicit(),
+        checks=(("explicit_sharding", None),),
     ),
 )
 """Every benign variant."""

@@ -1,19 +1,26 @@
-"""Faults in a tree-mode rewrite: NNX code that runs differently in tree mode than in graph.
+"""Faults in a mode's rewrite: NNX code that runs differently in one mode than in the other.
 
-The families here tie gpt3's output head to its embedding by a shared reference
-(``model.unembed = model.token_embed``), as NNX code in graph mode may; tree mode cannot
-hold it, so each declares what it runs in tree mode (:class:`~conformance.contract.TreeMode`).
+Tree mode: the families here tie gpt3's output head to its embedding by a shared
+reference (``model.unembed = model.token_embed``), as NNX code in graph mode may; tree
+mode cannot hold it, so each declares what it runs in tree mode
+(:class:`~conformance.contract.TreeMode`).
+
+Explicit sharding: a rewrite for explicit axes that lays an activation out on another
+axis (the numbers agree), and a model written for auto axes alone.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from conformance.contract import PersistentState, TreeMode, with_features
+from conformance.contract import ExplicitSharding, PersistentState, TreeMode, with_features
+from conformance_models import common, nnx_layers
 from conformance_models.gpt3 import nnx_model as gpt3_nnx
 from conformance_models.gpt3.family import Gpt3Family
-from tests.faults.fault import Fault
+from conformance_models.nnx_layers import constrain
+from tests.faults.fault import Fault, Gpt3
 
 
 class SharedHead(Gpt3Family):
@@ -77,6 +84,61 @@ class CountDroppedInTreeMode(Gpt3Family):
         return with_features(super().features(), persistent, rewrite)
 
 
+class _HiddenSequenceOnTensor(gpt3_nnx.Mlp):
+    def __call__(self, x):
+        swapped = ("activation_batch", "activation_mlp", "activation_length")
+        out = self.wo(constrain(jax.nn.gelu(self.wi(x)), swapped, self.config))
+        return constrain(out, common.ACTIVATION_EMBED, self.config)
+
+
+class MlpHiddenOnSequenceWhenExplicit(Gpt3Family):
+    """The explicit-axes rewrite resolves the MLP hidden's ``tensor`` to its sequence.
+
+    Auto axes split the hidden ``[batch, seq, mlp]`` over ``tensor`` on ``mlp``; the
+    rewrite names its axes in another order, so ``tensor`` splits the sequence and the
+    ``mlp`` dimension is whole. Every number agrees: only the layout moves.
+    """
+
+    def features(self):
+        return with_features(super().features(), ExplicitSharding(self.swapped))
+
+    def swapped(self, config, rngs):
+        model = Gpt3Family.nnx_module(self, config, rngs)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, gpt3_nnx.Mlp):
+                node.__class__ = _HiddenSequenceOnTensor
+        return model
+
+
+def _lookup_by_take(self, ids):
+    """Embed's lookup as written for auto axes only: jax cannot lay the rows out alone."""
+    return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
+
+
+class EmbedByOneHotWhenExplicit(Gpt3Family):
+    """Benign: on explicit axes, the embedding lookup is a one-hot contraction.
+
+    Each row is ``1 * row + 0 * the others``: the same numbers, laid out as the
+    residual stream is constrained right after.
+    """
+
+    def features(self):
+        return with_features(super().features(), ExplicitSharding(self.by_one_hot))
+
+    def by_one_hot(self, config, rngs):
+        model = Gpt3Family.nnx_module(self, config, rngs)
+        for embed in (model.token_embed, model.pos_embed):
+            embed.__class__ = _OneHotEmbed
+        return model
+
+
+class _OneHotEmbed(nnx_layers.Embed):
+    def __call__(self, ids):
+        table = self.embedding[...].astype(self.dtype)
+        one_hot = jax.nn.one_hot(ids, table.shape[0], dtype=self.dtype)
+        return nnx_layers.explicit_dot(one_hot, table, 1)
+
+
 FAULTS = (
     Fault(
         SharedHead(),
@@ -99,5 +161,26 @@ FAULTS = (
         CountDroppedInTreeMode(),
         "tree_mode",
         ("one train step on mesh", "state/model/calls"),
+    ),
+    Fault(
+        MlpHiddenOnSequenceWhenExplicit(),
+        "explicit_sharding",
+        (
+            "activation layouts differ on mesh data2-fsdp2-tensor2",
+            "NNX auto sharding",
+            "NNX explicit sharding",
+            "likely cause: a partitioning change",
+        ),
+        mesh_axes=("tensor",),
+    ),
+    Fault(
+        Gpt3(),
+        "explicit_sharding",
+        (
+            "NNX explicit sharding raised ShardingTypeError",
+            "out_sharding",
+            "NNX auto sharding got through the same calls",
+        ),
+        model_patch=(nnx_layers.Embed, "__call__", _lookup_by_take),
     ),
 )

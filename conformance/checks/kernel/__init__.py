@@ -23,6 +23,7 @@ that runs. By what it compares:
 
 from conformance.checks.kernel.activations import (
     PROGRAMS,
+    SIDE_NAMES,
     ActivationDifference,
     ConstraintDifference,
     Program,
@@ -92,6 +93,7 @@ __all__ = [
     "ConstraintDifference",
     "DROPOUT_RATE",
     "PROGRAMS",
+    "SIDE_NAMES",
     "Program",
     "Rerun",
     "STEPS",

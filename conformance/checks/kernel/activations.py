@@ -26,6 +26,9 @@ from conformance.runtime.diagnose.localise import module_pairs
 from conformance.runtime.precision import within
 from conformance.runtime.sides import Side
 
+SIDE_NAMES = ("Linen", "NNX")
+"""The two sides a difference names by default: the first side's, then the second's."""
+
 
 def _paired(linen: str, nnx_: str) -> str:
     """``layers_0/attn (NNX layers/0/attn)``: a Linen module and, where it differs, NNX's."""
@@ -55,12 +58,12 @@ class ActivationDifference:
         again = f" (call {self.occurrence + 1})" if self.occurrence else ""
         return f"{module} {self.linen.method}{again} {self.role} {self.position}"
 
-    def describe(self, mesh: Mapping[str, int]) -> str:
+    def describe(self, mesh: Mapping[str, int], names: tuple[str, str] = SIDE_NAMES) -> str:
         """The value, then each side's spec with the shards it splits each dimension in."""
         shape = "x".join(map(str, self.shape))
         return (
-            f"{self.where()} [{shape}]: Linen {render(self.linen_spec, mesh)}, "
-            f"NNX {render(self.nnx_spec, mesh)}"
+            f"{self.where()} [{shape}]: {names[0]} {render(self.linen_spec, mesh)}, "
+            f"{names[1]} {render(self.nnx_spec, mesh)}"
         )
 
 
@@ -173,13 +176,13 @@ class RelaidDifference:
     nnx: Call
     occurrence: int
 
-    def describe(self, mesh: Mapping[str, int]) -> str:
+    def describe(self, mesh: Mapping[str, int], names: tuple[str, str] = SIDE_NAMES) -> str:
         """The call, then the other layouts each side's recomputation gives its values."""
         del mesh
         module = self.linen.path or "(the top module)"
         said = [
             f"{name} recomputes {'; '.join(call.relaid) or 'nothing in another layout'}"
-            for name, call in (("Linen", self.linen), ("NNX", self.nnx))
+            for name, call in zip(names, (self.linen, self.nnx), strict=True)
         ]
         return f"{module} {self.linen.method}: " + ", ".join(said)
 
@@ -228,7 +231,7 @@ def compare_tables(linen: Table, nnx_: Table, pairs: Mapping[str, str]) -> list[
     return found
 
 
-def unanswered(linen: Table, nnx_: Table) -> list[str]:
+def unanswered(linen: Table, nnx_: Table, names: tuple[str, str] = SIDE_NAMES) -> list[str]:
     """Each side whose compile answered none of its probes, in words; ``[]`` if both did.
 
     Such a table compares equal to anything: its executable did not come from a compile
@@ -238,7 +241,7 @@ def unanswered(linen: Table, nnx_: Table) -> list[str]:
         f"{name}: the partitioner answered none of the probes of its {table.traced} module "
         "call(s), so nothing of it was compared (was its executable read back from a "
         "persistent compilation cache instead of compiled?)"
-        for name, table in (("Linen", linen), ("NNX", nnx_))
+        for name, table in zip(names, (linen, nnx_), strict=True)
         if table.traced and not table.calls
     ]
 
