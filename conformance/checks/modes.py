@@ -18,7 +18,7 @@ activation layouts.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,15 @@ def _layout(side: Side) -> Layout:
 
 
 def _layout_differences(
-    graph: Layout, tree: Layout, modes: tuple[str, str] = ("graph mode", "tree mode")
+    graph: Layout,
+    tree: Layout,
+    modes: tuple[str, str] = ("graph mode", "tree mode"),
+    accepted: Collection[str] = (),
 ) -> list[str]:
-    """Every parameter or held value the two ``modes`` build differently, a line each."""
+    """Every parameter or held value the two ``modes`` build differently, a line each.
+
+    A parameter of the second mode only that is ``accepted`` is not a difference.
+    """
     problems = []
     kinds = ("parameter", "logical axis names", "held beside the parameters")
     one, other = modes
@@ -80,36 +86,77 @@ def _layout_differences(
             if path not in second:
                 problems.append(f"{path}: {what} {first[path]} in {one} only")
             elif path not in first:
-                problems.append(f"{path}: {what} {second[path]} in {other} only")
+                if path not in accepted:
+                    problems.append(f"{path}: {what} {second[path]} in {other} only")
             elif first[path] != second[path]:
                 both = f"{first[path]} in {one}, {second[path]} in {other}"
                 problems.append(f"{path}: {what} {both}")
     return problems
 
 
+def _accepted(case: Case, graph: Layout, tree: Layout) -> dict[str, str]:
+    """The parameters the family accepts in tree mode only, each with its graph-mode source.
+
+    Fails naming each entry of ``TreeMode(accept=...)`` that is not a parameter of tree
+    mode only, or whose source is not a graph-mode parameter of its shape and dtype.
+    """
+    accept = dict(required(case.family, TreeMode).accept)
+    (graph_specs, _, _), (tree_specs, _, _) = graph, tree
+    problems = []
+    for path, source in accept.items():
+        if path in graph_specs or path not in tree_specs:
+            problems.append(f"{path}: accepted as a parameter of tree mode only, which it is not")
+        elif graph_specs.get(source) != tree_specs[path]:
+            held = graph_specs.get(source, "nothing")
+            problems.append(f"{path}: {tree_specs[path]} cannot start as {source}: {held}")
+    fail_if_any(f"TreeMode(accept=...) of {case.family.name} does not fit the rewrite", problems)
+    return accept
+
+
+def _without(step: StepResult, accepted: Collection[str]) -> StepResult:
+    """``step`` without the leaves of ``accepted`` parameters (their state and gradients)."""
+
+    def kept(flat: Flat) -> Flat:
+        return {
+            path: value
+            for path, value in flat.items()
+            if not any(path == p or path.endswith("/" + p) for p in accepted)
+        }
+
+    state, loss, grads = step
+    return kept(state), loss, kept(grads)
+
+
 def _in_tree_mode(
     case: Case, graph: Layout, params: Flat, checkpoint: tuple[Path, Flat], workdir: Path
-) -> tuple[Any, StepResult, StepResult, Flat]:
+) -> tuple[Any, StepResult, tuple[StepResult, Flat] | None]:
     """Tree mode's logits, first step from ``params``, and step resumed from ``checkpoint``.
 
     ``graph`` is what graph mode built; ``checkpoint`` is graph mode's: its directory and
     the state saved there. Tree mode's own state after its first step is saved under
-    ``workdir/tree`` and returned last. Run inside
-    :func:`~conformance.runtime.modes.tree_mode`: any side used here is built there.
+    ``workdir/tree`` and returned beside the resumed step; with accepted parameters
+    (``TreeMode(accept=...)``) the checkpoints are not exchanged, and ``None`` is
+    returned in their place. Run inside :func:`~conformance.runtime.modes.tree_mode`:
+    any side used here is built there.
     """
     tree, batch = NnxTreeSide.of(case), case.batch()
+    built = _layout(tree)
+    accepted = _accepted(case, graph, built)
     fail_if_any(
         f"{TREE} builds the model differently from {GRAPH}",
-        _layout_differences(graph, _layout(tree)),
+        _layout_differences(graph, built, accepted=accepted),
     )
-    logits = host_array(tree.forward(tree.place(params), batch)[0])
-    training = Training.start(tree, params)
-    first = training.advance(batch)
+    own = {**params, **{path: params[source] for path, source in accepted.items()}}
+    logits = host_array(tree.forward(tree.place(own), batch)[0])
+    training = Training.start(tree, own)
+    first = _without(training.advance(batch), accepted)
+    if accepted:
+        return logits, first, None
     state = flat_state(training.state)
     save(workdir / "tree", state, _info(case))
     resumed = Training.start(tree, params)
     restored_into(*checkpoint, resumed, f"{GRAPH}'s checkpoint of step 1 read in tree mode")
-    return logits, first, resumed.advance(batch), state
+    return logits, first, (resumed.advance(batch), state)
 
 
 @contextlib.contextmanager
@@ -158,7 +205,10 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     checkpoint strictly: tree mode resumes from graph mode's state after one step and
     takes the same second step, and graph mode restores tree mode's state byte for byte.
     A model with shared references, which tree mode cannot hold, fails naming them,
-    unless the family declares its rewrite.
+    unless the family declares its rewrite. Parameters the rewrite holds on purpose where
+    graph mode held none (``TreeMode(accept=...)``) start as copies of the graph-mode
+    parameters named; the forward and train step are compared on every other leaf, and
+    the checkpoints, whose trees then differ, are not exchanged.
     """
     graph, batch = NnxSide(case), case.batch()
     rewritten = required(case.family, TreeMode).nnx_module is not None
@@ -177,10 +227,11 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     second = straight.advance(batch)
     built = _layout(graph)
     with _raised_as(case, TREE, GRAPH), tree_mode():
-        tree_logits, tree_first, resumed, tree_state = _in_tree_mode(
-            case, built, params, checkpoint, workdir
-        )
+        tree_logits, tree_first, exchanged = _in_tree_mode(case, built, params, checkpoint, workdir)
     _same_forward_and_step(case, (logits, first), (tree_logits, tree_first), MODES)
+    if exchanged is None:
+        return
+    resumed, tree_state = exchanged
     steps_agree(f"step 2, tree mode resumed from {GRAPH}'s checkpoint", second, resumed, MODES)
     back = Training.start(graph, params)
     restored_into(workdir / "tree", tree_state, back, f"{TREE}'s checkpoint read in graph mode")

@@ -410,6 +410,13 @@ class TreeMode(Feature):
     """``nnx_module(config, rngs)``: the model as the zoo rewrote it for tree mode, with
     the same parameter paths. ``None`` (the default): :meth:`Family.nnx_module` itself,
     built and traced in tree mode."""
+    accept: tuple[tuple[str, str], ...] = ()
+    """Parameters only the rewrite holds, each as ``(its path, the graph-mode parameter
+    it starts as a copy of)``: a structural change the zoo made on purpose (a head
+    untied from the embedding it shared). The check accepts them where it compares the
+    parameters, starts them as those copies, and compares the forward and the train step
+    on every other leaf; the two modes' checkpoints then differ in their trees, so they
+    are not exchanged. An entry the rewrite does not hold only fails the check."""
 
 
 @dataclasses.dataclass(frozen=True)

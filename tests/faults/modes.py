@@ -54,6 +54,43 @@ class UntiedInTreeMode(SharedHead):
         return model
 
 
+class _HeadOfItsOwn(nnx_layers.Embed):
+    """An embedding whose head (``attend``) is a table of its own, ``head``."""
+
+    def attend(self, x):
+        return self.head.attend(x)
+
+
+def _untied_head(config, rngs):
+    """gpt3's NNX model whose head no longer shares the embedding's table."""
+    model = Gpt3Family().nnx_module(config, rngs)
+    head = nnx.clone(model.token_embed)
+    model.token_embed.__class__ = _HeadOfItsOwn
+    model.token_embed.head = head
+    return model
+
+
+class UntiedAndAcceptedInTreeMode(Gpt3Family):
+    """The tree-mode rewrite unties the head, and the family accepts its new table.
+
+    The parameters then compare equal, and so do the logits (the head starts as a copy
+    of the embedding); the train step does not: graph mode's embedding gradient holds
+    the head's share, tree mode's does not.
+    """
+
+    def features(self):
+        accept = (("token_embed/head/embedding", "token_embed/embedding"),)
+        return with_features(super().features(), TreeMode(_untied_head, accept=accept))
+
+
+class AcceptsWhatTreeModeLacks(Gpt3Family):
+    """``TreeMode(accept=...)`` names a parameter the model in tree mode does not hold."""
+
+    def features(self):
+        accept = (("unembed/embedding", "token_embed/embedding"),)
+        return with_features(super().features(), TreeMode(accept=accept))
+
+
 class _CountingGpt3(gpt3_nnx.Gpt3):
     """gpt3 that counts its calls in a ``BatchStat``."""
 
@@ -155,6 +192,19 @@ FAULTS = (
         (
             "NNX tree mode builds the model differently from NNX graph mode",
             "unembed/embedding: parameter float32[256, 64] in tree mode only",
+        ),
+    ),
+    Fault(
+        UntiedAndAcceptedInTreeMode(),
+        "tree_mode",
+        ("one train step on mesh", "grads/token_embed/embedding"),
+    ),
+    Fault(
+        AcceptsWhatTreeModeLacks(),
+        "tree_mode",
+        (
+            "TreeMode(accept=...) of gpt3 does not fit the rewrite",
+            "unembed/embedding: accepted as a parameter of tree mode only, which it is not",
         ),
     ),
     Fault(
