@@ -198,11 +198,16 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """Look up ``ids`` and return the rows in ``dtype``."""
+        """Look up ``ids`` and return the rows in ``dtype``.
+
+        On explicit mesh axes the rows are gathered from the whole table, laid out as
+        ``ids``; an id out of range gives NaN there as ``jnp.take`` gives it elsewhere.
+        """
         table = self.embedding[...].astype(self.dtype)
         if explicit_mode():
             table = jax.sharding.reshard(table, PartitionSpec())
-            return table.at[ids].get(out_sharding=PartitionSpec(*_spec(ids), None))
+            rows = PartitionSpec(*_spec(ids), None)
+            return table.at[ids].get(mode="fill", out_sharding=rows)
         return jnp.take(table, ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
