@@ -498,7 +498,7 @@ def test_the_default_tier_runs_variant_checks_on_its_primary_mesh_only():
     assert given.leaves_out(family, {"mesh": other, "variant": True}) == "", "--mesh keeps all"
 
 
-def test_the_default_tier_runs_mode_pairs_in_the_preferred_layout_only():
+def test_the_default_tier_runs_variants_and_mode_pairs_in_the_preferred_layout_only():
     family = Gpt3Family()
     default, full = get_tier("default"), get_tier("full")
     assert default.leaves_out(family, {"scan_layers": False, "mode_pair": True}) == ""
@@ -506,7 +506,12 @@ def test_the_default_tier_runs_mode_pairs_in_the_preferred_layout_only():
     assert default.leaves_out(family, {"scan_layers": True, "mode_pair": True}) == (
         "mode pair in layout scan (only in loop)"
     )
+    assert default.leaves_out(family, {"scan_layers": False, "variant": True}) == ""
+    assert default.leaves_out(family, {"scan_layers": True, "variant": True}) == (
+        "variant check in layout scan (only in loop)"
+    )
     assert full.leaves_out(family, {"scan_layers": True, "mode_pair": True}) == ""
+    assert full.leaves_out(family, {"scan_layers": True, "variant": True}) == ""
 
 
 def test_mode_pairs_are_the_checks_comparing_two_modes_of_nnx():

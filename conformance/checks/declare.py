@@ -82,7 +82,8 @@ class Check:
     """The check compares a variant of the step or forward that ``train_step`` and
     ``forward`` compare on every mesh (quantized, in lower precision, accumulated over
     micro-batches, with a tiled loss), partitioned as the plain programs are: the
-    ``default`` tier runs it on the primary mesh only (``full`` on every mesh), and its
+    ``default`` tier runs it on the primary mesh in the family's preferred layer layout
+    only (``full`` on every mesh, in every layout), and its
     tests carry the ``variant`` marker, so a run can leave them out (``-m "not variant"``)."""
     mode_pair: bool = False
     """The check compares two modes of the NNX model (graph against tree mode, auto

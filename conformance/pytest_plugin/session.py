@@ -98,7 +98,11 @@ class Settings:
             + (" (below f32 on the primary mesh only)" if tier.low_precision_on_primary else ""),
             "one quantization mode per method" if tier.one_mode_per_method else "every mode",
             *(["variant checks on the primary mesh only"] if tier.variants_on_primary else []),
-            *(["NNX mode pairs in one layer layout"] if tier.mode_pairs_one_layout else []),
+            *(
+                ["variant checks and NNX mode pairs in one layer layout"]
+                if tier.variants_one_layout
+                else []
+            ),
             "expected failures run" if tier.expected_failures else "expected failures left out",
         ]
         families = ", ".join(f.name for f in self.families) or "none"

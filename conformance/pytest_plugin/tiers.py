@@ -12,8 +12,8 @@ never reports another tier's goldens as unused.
   ``fsdp=8``), both layer layouts, float32 and bfloat16 (bfloat16 on the primary mesh),
   one quantization mode per method, every checkpoint conversion; the variant checks
   (quantized, lower-precision, accumulated, tiled steps and forwards) on the primary
-  mesh; the checks comparing two modes of NNX (``tree_mode``, ``explicit_sharding``)
-  in the family's preferred layout.
+  mesh, and they and the checks comparing two modes of NNX (``tree_mode``,
+  ``explicit_sharding``) in the family's preferred layout.
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -63,8 +63,8 @@ class Tier:
     """Keep the variant checks (quantized, lower-precision, accumulated, tiled steps and
     forwards: :attr:`~conformance.checks.registry.Check.variant`) on the primary mesh
     only."""
-    mode_pairs_one_layout: bool = False
-    """Keep the checks comparing two modes of the NNX model
+    variants_one_layout: bool = False
+    """Keep the variant checks and the checks comparing two modes of the NNX model
     (:attr:`~conformance.checks.registry.Check.mode_pair`) in the family's preferred
     layer layout only."""
 
@@ -95,9 +95,11 @@ class Tier:
         scan = facets.get("scan_layers")
         if self.one_layout and scan is not None and scan != preferred:
             return f"layout {'scan' if scan else 'loop'}"
-        if self.mode_pairs_one_layout and facets.get("mode_pair") and scan != preferred:
+        narrowed = facets.get("variant") or facets.get("mode_pair")
+        if self.variants_one_layout and narrowed and scan is not None and scan != preferred:
+            what = "variant check" if facets.get("variant") else "mode pair"
             kept = "scan" if preferred else "loop"
-            return f"mode pair in layout {'scan' if scan else 'loop'} (only in {kept})"
+            return f"{what} in layout {'scan' if scan else 'loop'} (only in {kept})"
         dtype = facets.get("dtype")
         if dtype and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype}"
@@ -155,7 +157,7 @@ TIERS: dict[str, Tier] = {
             expected_failures=False,
             low_precision_on_primary=True,
             variants_on_primary=True,
-            mode_pairs_one_layout=True,
+            variants_one_layout=True,
         ),
         Tier(
             "full",

@@ -65,7 +65,7 @@ def _over(check: Check) -> str:
         over = [
             f"{axis} (`default`: the primary one)" if axis == "`mesh`" else axis for axis in over
         ]
-    if check.mode_pair:
+    if check.variant or check.mode_pair:
         over = [
             f"{axis} (`default`: the preferred one)" if axis == "`scan_layers`" else axis
             for axis in over
