@@ -67,9 +67,13 @@ def divisible_names(shape: tuple[int, ...], names: tuple[str, ...], config: Any)
     spec = nn.logical_to_mesh_axes(names, config.rules)
     kept = []
     for size, name, entry in zip(shape, names, spec, strict=True):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept.append(name if size % math.prod(sizes[a] for a in axes) == 0 else None)
+        kept.append(name if size % math.prod(sizes[a] for a in mesh_axes(entry)) == 0 else None)
     return tuple(kept)
+
+
+def mesh_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one dimension's ``PartitionSpec`` entry names: none, one or several."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 _MASK_VALUE = float(jnp.finfo(jnp.float32).min)
@@ -121,7 +125,7 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same_segment & key_valid)[:, None]
 
 
-def explicit_sharding(x: jax.Array) -> Any:
+def explicit_layout(x: jax.Array) -> Any:
     """``x``'s sharding if it is traced on a mesh with explicit axes, else ``None``.
 
     What an operation whose result jax's explicit sharding mode cannot infer is told to
@@ -136,7 +140,7 @@ def _repeat_heads(x: jax.Array, times: int) -> jax.Array:
 
     In jax's explicit sharding mode, laid out as ``x``: each device repeats its own heads.
     """
-    return jnp.repeat(x, times, axis=2, out_sharding=explicit_sharding(x))
+    return jnp.repeat(x, times, axis=2, out_sharding=explicit_layout(x))
 
 
 def dot_product_attention(

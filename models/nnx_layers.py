@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from conformance_models import aqt, common
 from conformance_models.common import EMBED_INIT, kernel_init
@@ -42,18 +42,14 @@ def constrain(x: jax.Array, names: tuple[str, ...], config: TransformerConfig) -
     if config.mesh is None:
         return x
     spec = nn.logical_to_mesh_axes(common.divisible_names(x.shape, names, config), config.rules)
-    if explicit_mode():
+    if _explicit(x):
         return jax.sharding.reshard(x, NamedSharding(config.mesh, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(config.mesh, spec))
 
 
-def explicit_mode() -> bool:
-    """Whether the mesh in context (``jax.set_mesh``) has explicit axes."""
-    return AxisType.Explicit in jax.sharding.get_abstract_mesh().axis_types
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _explicit(x: jax.Array) -> bool:
+    """Whether ``x`` is traced on explicit mesh axes (its sharding is part of its type)."""
+    return common.explicit_layout(x) is not None
 
 
 def _spec(x: jax.Array) -> tuple[Any, ...]:
@@ -66,23 +62,25 @@ def like(value: jax.Array, x: jax.Array) -> jax.Array:
 
     Identity outside explicit mode, where the compiler lays values out.
     """
-    if not explicit_mode():
+    if not _explicit(x):
         return value
     return jax.sharding.reshard(value, PartitionSpec(*_spec(x)[x.ndim - value.ndim :]))
 
 
 def gathered(kernel: jax.Array, x: jax.Array, num_in: int = 0) -> jax.Array:
-    """``kernel`` whole over every mesh axis ``x``'s leading dimensions are split over.
+    """``kernel`` whole over every mesh axis ``x`` is split over, but where they meet.
 
     FSDP gathers weights, not activations. With ``num_in``, the kernel's first
     ``num_in`` dimensions (contracted with ``x``'s last ``num_in``) are laid out as
-    ``x``'s. Identity outside jax's explicit sharding mode, where the compiler gathers.
+    ``x``'s; its other dimensions keep their axes unless ``x`` uses them. Identity
+    outside jax's explicit sharding mode, where the compiler gathers.
     """
-    if not explicit_mode():
+    if not _explicit(x):
         return kernel
-    lead, contracted = _spec(x)[: x.ndim - num_in], _spec(x)[x.ndim - num_in :]
-    used = {axis for entry in lead for axis in _axes(entry)}
-    kept = tuple(None if set(_axes(e)) & used else e for e in _spec(kernel)[len(contracted) :])
+    contracted = _spec(x)[x.ndim - num_in :]
+    used = {axis for entry in _spec(x) for axis in common.mesh_axes(entry)}
+    rest = _spec(kernel)[num_in:]
+    kept = tuple(None if set(common.mesh_axes(e)) & used else e for e in rest)
     return jax.sharding.reshard(kernel, PartitionSpec(*contracted, *kept))
 
 
@@ -171,7 +169,7 @@ class DenseGeneral(nnx.Module):
             y = self.AqtDotGeneral_0(x, kernel, dimension_numbers, None, mutable=mutable)
         elif self.fp8:
             y = self.Fp8DirectDotGeneralOp_0(x, kernel, dimension_numbers)
-        elif explicit_mode():
+        elif _explicit(x):
             y = explicit_dot(x, kernel, self.num_in)
         else:
             y = jax.lax.dot_general(x, kernel, dimension_numbers)
@@ -204,7 +202,7 @@ class Embed(nnx.Module):
         ``ids``; an id out of range gives NaN there as ``jnp.take`` gives it elsewhere.
         """
         table = self.embedding[...].astype(self.dtype)
-        if explicit_mode():
+        if _explicit(ids):
             table = jax.sharding.reshard(table, PartitionSpec())
             rows = PartitionSpec(*_spec(ids), None)
             return table.at[ids].get(mode="fill", out_sharding=rows)

@@ -514,6 +514,22 @@ def test_the_default_tier_runs_variants_and_mode_pairs_in_the_preferred_layout_o
     assert full.leaves_out(family, {"scan_layers": True, "variant": True}) == ""
 
 
+@pytest.mark.parametrize("name", ["aqt_serve", "grad_accumulation", "explicit_sharding"])
+def test_the_default_tier_plans_variants_and_mode_pairs_in_one_layout(name):
+    """With or without a mesh axis, a variant or mode pair keeps the preferred layout."""
+    from conformance.checks.registry import BUILTIN
+    from conformance.core.roots import Goldens
+    from conformance.pytest_plugin.plan import plan
+    from conformance.pytest_plugin.session import Settings
+
+    family, tier = Gpt3Family(), get_tier("default")
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    run = Settings((family,), (mesh,), (), tier, "low", Goldens(None))
+    kept = [p for p in plan(BUILTIN[name], family, run) if not tier.leaves_out(family, p.facets())]
+    assert kept, name
+    assert {p.values["scan_layers"] for p in kept} == {False}
+
+
 def test_mode_pairs_are_the_checks_comparing_two_modes_of_nnx():
     from conformance.checks.registry import BUILTIN
 

@@ -18,6 +18,7 @@ activation layouts.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,13 @@ def _accepted(case: Case, graph: Layout, tree: Layout) -> dict[str, str]:
     Fails naming each entry of ``TreeMode(accept=...)`` that is not a parameter of tree
     mode only, or whose source is not a graph-mode parameter of its shape and dtype.
     """
-    accept = dict(required(case.family, TreeMode).accept)
+    entries = required(case.family, TreeMode).accept
+    if not all(_is_pair(entry) for entry in entries):
+        fail(f"TreeMode(accept=...) takes (path, source) pairs of strings, not {entries!r}")
+    accept = dict(entries)
     (graph_specs, _, _), (tree_specs, _, _) = graph, tree
-    problems = []
+    counts = Counter(path for path, _ in entries)
+    problems = [f"{path}: accepted {n} times" for path, n in counts.items() if n > 1]
     for path, source in accept.items():
         if path in graph_specs or path not in tree_specs:
             problems.append(f"{path}: accepted as a parameter of tree mode only, which it is not")
@@ -113,8 +118,16 @@ def _accepted(case: Case, graph: Layout, tree: Layout) -> dict[str, str]:
     return accept
 
 
+def _is_pair(entry: Any) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(p, str) for p in entry)
+
+
 def _without(step: StepResult, accepted: Collection[str]) -> StepResult:
-    """``step`` without the leaves of ``accepted`` parameters (their state and gradients)."""
+    """``step`` without the leaves of ``accepted`` parameters (their state and gradients).
+
+    A leaf is an accepted parameter's when its path is the parameter's or ends in it
+    (``model/<path>``, ``.../mu/<path>`` in the optimizer's state).
+    """
 
     def kept(flat: Flat) -> Flat:
         return {
@@ -245,7 +258,7 @@ _LAYOUT_CAUSE = (
 )
 
 
-FORWARD, _ = PROGRAMS
+FORWARD = next(program for program in PROGRAMS if program.name == "forward")
 """The program whose layouts the modes are compared by: on explicit axes a value's
 layout is part of its type, fixed where it is traced, so a train step's forward lays
 its values out as the forward does."""
@@ -278,7 +291,7 @@ def check_explicit_sharding(case: Case) -> None:
     the case's mesh made explicit and set in context (``jax.set_mesh``). Both build the
     same parameters (paths, shapes, dtypes, logical axis names) and held values; from
     the same parameters they give the same logits and the same first train step; and
-    their compiled forwards lay every module call's values out alike. An
+    their compiled forwards lay the values of every module call both make alike. An
     exception raised on explicit axes alone (jax refusing an ambiguous sharding) is
     reported as the explicit side's.
     """

@@ -24,7 +24,8 @@ MARKERS = (
     "(True: scanned), else skip",
     "quant_method(name): parametrize `quant` only over modes of this method",
     "variant: the test compares a quantized, lower-precision, accumulated or tiled variant "
-    "of the train step or forward (the default tier runs it on its primary mesh only)",
+    "of the train step or forward (the default tier runs it on its primary mesh, in the "
+    "family's preferred layer layout)",
 )
 """Markers a user's own test over the plugin's axes may carry (the suite's checks say
 the same in the check registry)."""

@@ -77,8 +77,8 @@ class Planned:
     def facets(self) -> dict[str, Any]:
         """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion.
 
-        ``variant`` (with ``mesh``): whether the check is a variant of the plain step
-        or forward (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``
+        ``variant``: whether the check is a variant of the plain step or forward
+        (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``
         (with ``scan_layers``): whether it compares two modes of the NNX model
         (:attr:`~conformance.checks.registry.Check.mode_pair`).
         """
@@ -89,9 +89,9 @@ class Planned:
         }
         if self.check.mode_pair and found["scan_layers"] is not None:
             found["mode_pair"] = True
+        found["variant"] = self.check.variant
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
             found["mesh"] = mesh
-            found["variant"] = self.check.variant
         if "dtype" in self.values:
             found["dtype"] = dtype_ids.get(self.values["dtype"], "")
         if "layouts" in self.params:

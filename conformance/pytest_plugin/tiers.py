@@ -81,10 +81,10 @@ class Tier:
         ``facets`` describe a test by name: ``mesh`` (a device mesh), ``variant`` (a
         variant check, :attr:`~conformance.checks.registry.Check.variant`), ``mode_pair`` (a
         check comparing two modes of NNX, :attr:`~conformance.checks.registry.Check.mode_pair`),
-        ``scan_layers``,
-        ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts`` (a checkpoint
-        conversion's source and target layouts, ``True``: scanned) and ``tpu_production``
-        (a TPU compile at production sizes); a test lacking one is not narrowed by it.
+        ``scan_layers``, ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts``
+        (a checkpoint conversion's source and target layouts, ``True``: scanned) and
+        ``tpu_production`` (a TPU compile at production sizes); a test lacking one is not
+        narrowed by it.
         """
         from conformance.contract import preferred_layout
 

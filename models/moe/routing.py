@@ -57,5 +57,5 @@ def mix_experts(
         hidden,
         down.astype(dtype),
         probs.astype(dtype),
-        out_sharding=common.explicit_sharding(x),
+        out_sharding=common.explicit_layout(x),
     )

@@ -23,7 +23,6 @@ that runs. By what it compares:
 
 from conformance.checks.kernel.activations import (
     PROGRAMS,
-    SIDE_NAMES,
     ActivationDifference,
     ConstraintDifference,
     Program,
@@ -93,7 +92,6 @@ __all__ = [
     "ConstraintDifference",
     "DROPOUT_RATE",
     "PROGRAMS",
-    "SIDE_NAMES",
     "Program",
     "Rerun",
     "STEPS",
