@@ -52,16 +52,19 @@ def target_weights(batch: Batch, predicts: str = "next") -> jax.Array:
     return (real & follows).astype(jnp.float32)
 
 
-def whole_last_axis(logits: jax.Array) -> jax.Array:
-    """``logits`` with their last (class) axis whole on each device in explicit mode.
+def laid_out_as_targets(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """``logits`` laid out as ``targets`` with their class axis whole, in explicit mode.
 
     Picking each target's logit is a gather whose result's sharding jax cannot infer
-    from logits split over their classes. Outside explicit mode: ``logits`` as they are.
+    from logits split over their classes, or split otherwise than the targets (the
+    cotangent would come back in another type than the logits have). Outside explicit
+    mode: ``logits`` as they are.
     """
     if not explicit_mode():
         return logits
-    spec = tuple(jax.typeof(logits).sharding.spec)[: logits.ndim - 1]
-    return jax.sharding.reshard(logits, PartitionSpec(*spec, *(None,) * (logits.ndim - len(spec))))
+    rows = tuple(jax.typeof(targets).sharding.spec)
+    rows += (None,) * (targets.ndim - len(rows))
+    return jax.sharding.reshard(logits, PartitionSpec(*rows, None))
 
 
 def masked_token_loss(
@@ -73,7 +76,7 @@ def masked_token_loss(
     """
     weights = target_weights(batch, predicts)
     losses = optax.softmax_cross_entropy_with_integer_labels(
-        whole_last_axis(logits.astype(jnp.float32)), batch.targets
+        laid_out_as_targets(logits.astype(jnp.float32), batch.targets), batch.targets
     )
     return jnp.sum(losses * weights), jnp.sum(weights)
 
