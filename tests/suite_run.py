@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from conformance.checks import registry
-from conformance.contract import Family
+from conformance.contract import Family, Pair
 from conformance.core.references import references_root
 from conformance.core.sharding import MeshSpec, parse_mesh
 from conformance.core.tpu import TpuCompile
@@ -33,6 +33,7 @@ def run_check(
     scan_layers: bool | None = None,
     tpu: TpuCompile | None = None,
     dtype: Any = jnp.float32,
+    pair: Pair = Pair.LINEN_NNX,
 ) -> Any:
     """Run check ``name`` on ``family`` through the registry, on ``mesh``, in ``dtype``.
 
@@ -51,6 +52,7 @@ def run_check(
         "mesh": mesh,
         "topology": TOPOLOGY,
         "tpu": tpu,
+        "pair": pair,
     }
     target = registry.mesh_of(check, values, mesh)
     devices = target.devices() if check.devices and target is not None else None

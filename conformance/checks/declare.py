@@ -36,6 +36,7 @@ class Axis(enum.StrEnum):
     DTYPE = "dtype"
     QUANT = "quant"
     RECORDED = "recorded"
+    PAIR = "pair"
 
 
 AXES: tuple[Axis, ...] = tuple(Axis)
@@ -103,7 +104,8 @@ class Check:
     """The check is also given its case on the run's primary mesh (``saved_on``)."""
     pair: bool = True
     """The check compares a live Linen side with a live NNX side: a family without Linen
-    skips it (a check parametrized by ``backend`` skips only its Linen tests)."""
+    skips it (a check parametrized by ``backend`` skips only its Linen tests; one
+    parametrized by ``pair``, only its Linen-vs-NNX tests)."""
     references: bool = False
     """The check compares with a recorded reference: it is given the recorded backend
     (``recorded``, an axis) and the directory references live in (``references``)."""

@@ -238,36 +238,39 @@ def _rounding(
     return verdicts[-1].accepted
 
 
-@declare((*ON_MESH, Axis.DTYPE), capability="decode")
+@declare((*ON_MESH, Axis.DTYPE, Axis.PAIR), capability="decode")
 def check_decode(case: Case) -> None:
-    """Linen and NNX agree at prefill and at every decode step, and generate the same tokens.
+    """The case's two sides agree at prefill and at every decode step, and generate the same tokens.
 
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis).
     Stops at the first stage that differs: after a different token the two sides decode
-    different sequences, so later stages are not comparable. In bfloat16 compute NNX is
-    fed Linen's greedy tokens (teacher forcing), since rounding may break a near tie
-    either way: the tokens are not compared, every stage's logits are, and a stage beyond
-    the policy passes when both sides' float32 decodes of the same tokens agree and NNX
-    is within rounding of Linen (:func:`~conformance.core.rounding.within_rounding`,
-    against Linen's float32 decode).
+    different sequences, so later stages are not comparable. In bfloat16 compute the
+    second side is fed the first's greedy tokens (teacher forcing), since rounding may
+    break a near tie either way: the tokens are not compared, every stage's logits are,
+    and a stage beyond the policy passes when both sides' float32 decodes of the same
+    tokens agree and the second is within rounding of the first
+    (:func:`~conformance.core.rounding.within_rounding`, against the first's float32
+    decode).
     """
     mesh = case.mesh
     served = serve_both(case)
     lowered = case.dtype != jnp.float32
     params = served[0].params, served[1].params
-    linen = served[0].generation
-    nnx_ = served[1].generation
+    first_side, second_side = live_pair(case)
+    first = served[0].generation
+    second = served[1].generation
     if lowered:
-        nnx_ = live_pair(case)[1].generate(params[1], DECODE_STEPS, forced=linen.tokens)
+        second = second_side.generate(params[1], DECODE_STEPS, forced=first.tokens)
     try:
-        cache_map = map_paths(case.family.path_rules(case.bound), linen.caches[0])
+        cache_map = map_paths(first_side.path_rules(), first.caches[0])
     except PathMapError as err:
         fail(str(err))
-    tol = tolerance_for(linen.prefill_logits.dtype)
+    tol = tolerance_for(first.prefill_logits.dtype)
     names = (served[0].side, served[1].side)
-    plot = {"names": names, "tolerance": tol, "series": "Linen vs NNX"}
+    plot = {"names": names, "tolerance": tol, "series": " vs ".join(names)}
     plot["figure"] = f"decode: error per stage, mesh {mesh.id}"
-    twins = functools.cache(functools.partial(_float32_stages, case, params, linen.tokens))
-    stages = (_stages(gen, DECODE_STEPS).values() for gen in (linen, nnx_))
+    twins = functools.cache(functools.partial(_float32_stages, case, params, first.tokens))
+    stages = (_stages(gen, DECODE_STEPS).values() for gen in (first, second))
     for stage, logits in enumerate(zip(*stages, strict=True)):
         x = "prefill" if stage == 0 else f"step {stage - 1}"
         verdicts: list[RoundingVerdict] = []
@@ -278,13 +281,14 @@ def check_decode(case: Case) -> None:
         if found is not None:
             title = f"prefill on mesh {mesh.id} (index: row, position, vocab)"
             if stage:
-                title = f"{_step_title(found, linen.lengths, stage - 1)} on mesh {mesh.id}"
-            where = _first_cache_divergence(linen, nnx_, cache_map, stage, tol, names)
-            moved = _decode_attribution(case, params[0], (linen, nnx_), stage, lowered)
+                title = f"{_step_title(found, first.lengths, stage - 1)} on mesh {mesh.id}"
+            where = _first_cache_divergence(first, second, cache_map, stage, tol, names)
+            moved = _decode_attribution(case, params[0], (first, second), stage, lowered)
             rounding = f"\n  bfloat16 rounding: {verdicts[0].text}" if verdicts else ""
             fail(report(title, [found], names) + where + f"\n  {moved}" + rounding)
         if not lowered:
-            _check_tokens(linen, nnx_, stage, "prefill" if stage == 0 else f"decode {x}")
+            stage_name = "prefill" if stage == 0 else f"decode {x}"
+            _check_tokens((first, second), names, stage, stage_name)
 
 
 def _float32_stages(
@@ -306,7 +310,7 @@ def _judged(
     stage: int,
     found: Mismatch,
 ) -> bool:
-    """Judge a Linen/NNX stage beyond the policy by rounding; keeps the verdict."""
+    """Judge a stage of the two sides beyond the policy by rounding; keeps the verdict."""
     del found
     first, second = (twin[stage] for twin in twins())
     verdicts.append(pair_within_rounding("decodes", logits, (first, second)))
@@ -314,8 +318,8 @@ def _judged(
 
 
 def _first_cache_divergence(
-    linen: Generation,
-    nnx_: Generation,
+    first: Generation,
+    second: Generation,
     mapping: dict[str, str],
     upto: int,
     tol: Any,
@@ -323,26 +327,29 @@ def _first_cache_divergence(
 ) -> str:
     """Where the two caches first differ, up to stage ``upto`` (0 is after prefill)."""
     for stage in range(upto + 1):
-        moved = {mapping[p]: v for p, v in linen.caches[stage].items()}
-        mismatches = compare_trees(moved, nnx_.caches[stage], tol)
+        moved = {mapping[p]: v for p, v in first.caches[stage].items()}
+        mismatches = compare_trees(moved, second.caches[stage], tol)
         if mismatches:
             when = "prefill" if stage == 0 else f"decode step {stage - 1}"
             return "\n  the caches first differ after " + report(when, mismatches, names)
     return "\n  the caches agree up to here: the divergence is outside the cache"
 
 
-def _check_tokens(linen: Generation, nnx_: Generation, index: int, stage: str) -> None:
-    """Fail if the greedy tokens chosen after ``stage`` differ in any row."""
-    rows = np.flatnonzero(linen.tokens[:, index] != nnx_.tokens[:, index])
+def _check_tokens(
+    generations: tuple[Generation, Generation], names: tuple[str, str], index: int, stage: str
+) -> None:
+    """Fail if the greedy tokens the two sides (``names``) chose after ``stage`` differ."""
+    (first, second), (one, other) = generations, names
+    rows = np.flatnonzero(first.tokens[:, index] != second.tokens[:, index])
     if rows.size == 0:
         return
     lines = []
     for row in rows:
-        a, b = linen.tokens[row, index], nnx_.tokens[row, index]
-        la, lb = linen.chosen_from(index, row), nnx_.chosen_from(index, row)
+        a, b = first.tokens[row, index], second.tokens[row, index]
+        la, lb = first.chosen_from(index, row), second.chosen_from(index, row)
         lines.append(
-            f"row {row}: Linen token {a} (logit {la[a]!r}, NNX gives it {lb[a]!r}); "
-            f"NNX token {b} (logit {lb[b]!r}, Linen gives it {la[b]!r})"
+            f"row {row}: {one} token {a} (logit {la[a]!r}, {other} gives it {lb[a]!r}); "
+            f"{other} token {b} (logit {lb[b]!r}, {one} gives it {la[b]!r})"
         )
     fail_if_any(
         f"greedy token {index} (chosen after {stage}) differs in {rows.size} row(s); "

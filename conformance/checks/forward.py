@@ -52,8 +52,10 @@ class ForwardResult:
 _NOT_SOWN = "per-block hidden states are not sown on both sides (an optional shortcut)"
 
 
-def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any) -> str | None:
-    """Localisation from the sown ``hidden_states``, when both sides sow them."""
+def _first_divergent_block(
+    first: ForwardResult, second: ForwardResult, tol: Any, names: tuple[str, str]
+) -> str | None:
+    """Localisation from the sown ``hidden_states``, when both sides (``names``) sow them."""
     if first.hidden is None or second.hidden is None:
         return None
     for layer in range(first.hidden.shape[0]):
@@ -62,7 +64,7 @@ def _first_divergent_block(first: ForwardResult, second: ForwardResult, tol: Any
         )
         if found is not None:
             return f"first divergent block: {layer} (output of decoder block {layer})\n  " + (
-                found.describe()
+                found.describe(names)
             )
     return (
         "every block's output agrees: the divergence is after the last block (final norm or head)"
@@ -92,36 +94,38 @@ def _measure_forward(
     )
 
 
-@declare((*ON_MESH, Axis.DTYPE))
+@declare((*ON_MESH, Axis.DTYPE, Axis.PAIR))
 def check_forward(case: Case) -> None:
-    """Logits agree after transplanting Linen -> NNX and NNX -> Linen on the case's mesh.
+    """Logits agree after transplanting parameters both ways between the case's two sides.
 
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis).
     Tolerance follows the policy for the case's compute dtype. A failure names the first
     divergent module, which side moves when partitioned, and any module that computes in
     other dtypes on each side (the ``precision`` check's profile). Below float32, an element
-    outside tolerance passes when NNX is no farther than Linen from Linen's float32
-    result from the same parameters (the policy's tie-break), and logits pass when the
-    sides agree on one device and each moves on the mesh by as much as they differ
-    (rounding inside two partitioned programs, see ``docs/tolerances.md``), or when the
-    float32 forwards agree and NNX is within rounding of Linen (:func:`_rounding`).
+    outside tolerance passes when the second side is no farther than the first from the
+    first's float32 result from the same parameters (the policy's tie-break), and logits
+    pass when the sides agree on one device and each moves on the mesh by as much as they
+    differ (rounding inside two partitioned programs, see ``docs/tolerances.md``), or when
+    the float32 forwards agree and the second side is within rounding of the first
+    (:func:`_rounding`).
     """
-    linen, nnx_ = live_pair(case)
-    paired(linen, nnx_)
+    first, second = live_pair(case)
+    paired(first, second)
     batch = case.batch()
-    linen_own, nnx_own = linen.init(0), nnx_.init(1)
+    first_own, second_own = first.init(0), second.init(1)
     directions = {
-        "Linen params -> NNX": (linen_own, nnx_.receive(linen_own, linen)),
-        "NNX params -> Linen": (linen.receive(nnx_own, nnx_), nnx_own),
+        f"{first.name} params -> {second.name}": (first_own, second.receive(first_own, first)),
+        f"{second.name} params -> {first.name}": (first.receive(second_own, second), second_own),
     }
     compared = []
     lower = case.dtype != jnp.float32
-    for direction, (linen_params, nnx_params) in directions.items():
-        a = ForwardResult(*linen.forward(linen_params, batch))
-        b = ForwardResult(*nnx_.forward(nnx_params, batch))
+    for direction, (first_params, second_params) in directions.items():
+        a = ForwardResult(*first.forward(first_params, batch))
+        b = ForwardResult(*second.forward(second_params, batch))
         tol = tolerance_for(a.logits.dtype)
         found = compare_arrays("logits", a.logits, b.logits, tol)
         moved, rounding = None, None
-        twins = (linen_params, nnx_params)
+        twins = (first_params, second_params)
         if found is not None and lower:
             twins = tuple(
                 side.forward(params, batch)[0]
@@ -129,39 +133,41 @@ def check_forward(case: Case) -> None:
             )
             found = compare_arrays("logits", a.logits, b.logits, tol, reference=twins[0])
         if found is not None and lower:
-            params = (linen_params, nnx_params)
-            moved = forward_attribution(linen, nnx_, (a.logits, b.logits), params)
+            params = (first_params, second_params)
+            moved = forward_attribution(first, second, (a.logits, b.logits), params)
             found = None if within_spread(moved) else found
         if found is not None and lower:
             rounding = _rounding((a.logits, b.logits), twins)
             found = None if rounding.accepted else found
         _measure_forward(f"{direction} on mesh {case.mesh.id}", a, b, tol, found)
-        compared.append((direction, linen_params, nnx_params, a, b, tol, found, moved, rounding))
+        compared.append((direction, first_params, second_params, a, b, tol, found, moved, rounding))
     # Both directions are measured first; the first that disagrees is the verdict.
-    for direction, linen_params, nnx_params, a, b, tol, found, moved, rounding in compared:
+    for direction, first_params, second_params, a, b, tol, found, moved, rounding in compared:
         if found is None:
             continue
-        rules = case.family.path_rules(case.bound)
+        rules = first.path_rules()
         found_module = localise(
-            linen.runner,
-            nnx_.runner,
-            linen_params,
-            nnx_params,
+            first.runner,
+            second.runner,
+            first_params,
+            second_params,
             batch,
-            linen.leaf_map().pairs(),
+            first.leaf_map().pairs(),
             rules,
         )
-        where = found_module.describe() if isinstance(found_module, Divergence) else found_module
-        if not isinstance(found_module, Divergence) or found_module.unpaired_inside:
-            where += "\n  " + (_first_divergent_block(a, b, tol) or _NOT_SOWN)
+        names = (first.name, second.name)
+        divergence = isinstance(found_module, Divergence)
+        where = found_module.describe(names) if divergence else found_module
+        if not divergence or found_module.unpaired_inside:
+            where += "\n  " + (_first_divergent_block(a, b, tol, names) or _NOT_SOWN)
         if moved is None:  # float32: attributed only now, for the direction that fails
-            params = (linen_params, nnx_params)
-            moved = forward_attribution(linen, nnx_, (a.logits, b.logits), params)
+            params = (first_params, second_params)
+            moved = forward_attribution(first, second, (a.logits, b.logits), params)
         fail(
-            report(f"{direction} on mesh {case.mesh.id}", [found], (linen.name, nnx_.name))
+            report(f"{direction} on mesh {case.mesh.id}", [found], (first.name, second.name))
             + f"\n  {where}\n  {attribution_text(moved)}"
             + ("" if rounding is None else f"\n  bfloat16 rounding: {rounding.text}")
-            + _precision_note(case, linen, nnx_, batch, rules)
+            + _precision_note(case, first, second, batch, rules)
         )
 
 
@@ -175,11 +181,11 @@ def _rounding(logits: tuple[Any, Any], twins: tuple[Any, Any]) -> RoundingVerdic
     return pair_within_rounding("forwards", logits, twins)
 
 
-def _precision_note(case: Case, linen: Side, nnx_: Side, batch: Batch, rules: PathRules) -> str:
+def _precision_note(case: Case, first: Side, second: Side, batch: Batch, rules: PathRules) -> str:
     """A line per module the sides compute in other dtypes; never a second failure."""
     accepted = accepted_precision(case.family)
     try:
-        changes = precision_differences(linen, nnx_, batch, rules, accepted)[0]
+        changes = precision_differences(first, second, batch, rules, accepted)[0]
     except Exception as err:  # the note is advice: a failure is already being reported
         reason = re.sub(r"\s+", " ", str(err))[:300]
         return f"\n  precision profiles could not be traced ({type(err).__name__}: {reason})"

@@ -122,24 +122,6 @@ def _is_pair(entry: Any) -> bool:
     return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(p, str) for p in entry)
 
 
-def _without(step: StepResult, accepted: Collection[str]) -> StepResult:
-    """``step`` without the leaves of ``accepted`` parameters (their state and gradients).
-
-    A leaf is an accepted parameter's when its path is the parameter's or ends in it
-    (``model/<path>``, ``.../mu/<path>`` in the optimizer's state).
-    """
-
-    def kept(flat: Flat) -> Flat:
-        return {
-            path: value
-            for path, value in flat.items()
-            if not any(path == p or path.endswith("/" + p) for p in accepted)
-        }
-
-    state, loss, grads = step
-    return kept(state), loss, kept(grads)
-
-
 def _in_tree_mode(
     case: Case, graph: Layout, params: Flat, checkpoint: tuple[Path, Flat], workdir: Path
 ) -> tuple[Any, StepResult, tuple[StepResult, Flat] | None]:
@@ -159,10 +141,10 @@ def _in_tree_mode(
         f"{TREE} builds the model differently from {GRAPH}",
         _layout_differences(graph, built, accepted=accepted),
     )
-    own = {**params, **{path: params[source] for path, source in accepted.items()}}
+    own = tree.own(params)
     logits = host_array(tree.forward(tree.place(own), batch)[0])
     training = Training.start(tree, own)
-    first = _without(training.advance(batch), accepted)
+    first = training.advance(batch)
     if accepted:
         return logits, first, None
     state = flat_state(training.state)

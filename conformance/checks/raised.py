@@ -19,11 +19,12 @@ import traceback
 from pathlib import Path
 from types import FrameType
 
-from conformance.contract import Family
+from conformance.contract import Family, Pair
 from conformance.core.sharding import LogicalRankError
 from conformance.runtime.aot import abstract_batch, batch_rows, lowered_forward
 from conformance.runtime.case import Case
-from conformance.runtime.sides import SIDES, Side, live_sides
+from conformance.runtime.modes import mode_of
+from conformance.runtime.sides import SIDES, Side, live_pair, live_sides
 from conformance.runtime.stepping import Training
 
 _DOING = {
@@ -294,6 +295,11 @@ def report(case: Case, error: BaseException) -> str | None:
     raised = raised_in(error)
     if raised is None:
         return None
+    if case.pair is not Pair.LINEN_NNX:
+        first, second = live_pair(case)
+        if mode_of(error) is None:
+            return mode_report(error, case.family, first.name, second.name, other_ran=False)
+        return mode_report(error, case.family, second.name, first.name)
     sides = {side.name: side for side in live_sides(raised.case or case)}
     trainer = raised.doing in _TRAINER_STEPS
     probed = _MODEL_STEPS + (_TRAINER_STEPS if trainer else ())
@@ -316,16 +322,22 @@ def report(case: Case, error: BaseException) -> str | None:
     return "\n  ".join(lines)
 
 
-def mode_report(error: BaseException, family: Family, side: str, other: str) -> str:
+def mode_report(
+    error: BaseException, family: Family, side: str, other: str, *, other_ran: bool = True
+) -> str:
     """The report of ``error``, raised while ``side`` ran what ``other`` got through.
 
     For two modes of one backend (NNX in tree mode and in graph mode): the raising mode
-    is named as such, and no other backend is probed.
+    is named as such, and no other backend is probed. Without ``other_ran``, ``side`` is
+    the mode every other check runs, and raised before ``other`` ran.
     """
     found = raised_in(error) or Raised(side, "", "", error)
     doing = f" while {found.doing} ({found.call})" if found.doing else ""
     lines = [f"{side} raised {found.kind}{doing}", *found.message(), f"raised at {origin(error)}"]
     if (own := family_code(error, family)) is not None:
         lines.append(own)
-    lines.append(f"{other} got through the same calls: a divergence of {side}, not of both")
+    if other_ran:
+        lines.append(f"{other} got through the same calls: a divergence of {side}, not of both")
+    else:
+        lines.append(f"{other} was not run: {side} fails as the Linen-vs-NNX checks run it")
     return "\n  ".join(lines)

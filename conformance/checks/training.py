@@ -85,9 +85,11 @@ def _additive_loss(family: Family) -> str | None:
     return None
 
 
-@declare(ON_MESH)
+@declare((*ON_MESH, Axis.PAIR))
 def check_train_step(case: Case) -> None:
-    """Linen and NNX agree for :data:`~conformance.checks.kernel.STEPS` steps.
+    """The case's two sides agree for :data:`~conformance.checks.kernel.STEPS` steps.
+
+    Linen and NNX, or the NNX model in two modes (the ``pair`` axis).
 
     See :func:`~conformance.checks.kernel.train_step_parity`.
     """

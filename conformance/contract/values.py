@@ -55,6 +55,43 @@ BACKENDS = tuple(backend.value for backend in Backend)
 """The backends' ids (:class:`Backend`), in order."""
 
 
+class Pair(enum.StrEnum):
+    """Two sides a check compares: two backends, or two modes of the NNX model.
+
+    Its value is its part of test ids (none for :attr:`LINEN_NNX`, every test's pair
+    before modes were sides), and it compares equal to that id.
+    """
+
+    LINEN_NNX = "linen-vs-nnx"
+    GRAPH_TREE = "graph-vs-tree"
+    """NNX in flax's graph mode against tree mode (``nnx_graph_mode=False``)."""
+    AUTO_EXPLICIT = "auto-vs-explicit"
+    """NNX on auto mesh axes against the same devices with every axis explicit."""
+
+    @property
+    def title(self) -> str:
+        """What is compared with what, as reports and the matrix say it."""
+        return _PAIR_TITLES[self]
+
+    @property
+    def capability(self) -> str | None:
+        """The :class:`Capabilities` field a family declares to run this pair, if any."""
+        return None if self is Pair.LINEN_NNX else _PAIR_CAPABILITIES[self]
+
+    @property
+    def id(self) -> str:
+        """Its part of test ids: ``""`` for :attr:`LINEN_NNX`, else its value."""
+        return "" if self is Pair.LINEN_NNX else self.value
+
+
+_PAIR_TITLES = {
+    Pair.LINEN_NNX: "NNX vs Linen",
+    Pair.GRAPH_TREE: "NNX tree mode vs NNX graph mode",
+    Pair.AUTO_EXPLICIT: "NNX explicit sharding vs NNX auto sharding",
+}
+_PAIR_CAPABILITIES = {Pair.GRAPH_TREE: "tree_mode", Pair.AUTO_EXPLICIT: "explicit_sharding"}
+
+
 class FamilyError(LookupError):
     """A family name or a family definition is not usable."""
 

@@ -104,11 +104,17 @@ class LeafMap:
             for i, target in enumerate(move.targets)
         }
 
-    def check_covers(self, nnx_paths: Iterable[str], linen_paths: Iterable[str]) -> None:
+    def check_covers(
+        self,
+        nnx_paths: Iterable[str],
+        linen_paths: Iterable[str],
+        names: tuple[str, str] = ("Linen", "NNX"),
+    ) -> None:
         """Raise :class:`PathMapError` unless ``linen_paths`` land on exactly ``nnx_paths``.
 
         Each Linen leaf of ``linen_paths`` (or each slice of one) must land on one NNX
-        leaf, and every NNX leaf must be reached once; the error lists each that does not.
+        leaf, and every NNX leaf must be reached once; the error lists each that does not,
+        naming the trees by ``names``.
         """
         linen, origins = set(linen_paths), self.origins()
         mapping = {
@@ -117,7 +123,7 @@ class LeafMap:
             if move.sources[0] in linen
             for target in move.targets
         }
-        check_bijection(mapping, nnx_paths)
+        check_bijection(mapping, nnx_paths, names)
 
     def canonical(self, flat: Mapping[str, Any]) -> Flat:
         """``flat`` (Linen paths, any kind of leaf) in canonical paths and layouts."""

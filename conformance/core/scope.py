@@ -30,11 +30,12 @@ Outside any ``with Scope()``, factories memoise in a process-wide default scope,
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import gc
 import inspect
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -74,7 +75,7 @@ class Scope:
         With ``result``, the value holds no compiled program and survives
         ``release(keep_results=True)``.
         """
-        key = (factory, args, tuple(sorted(kwargs.items())))
+        key = (factory, args, tuple(sorted(kwargs.items())), _APART.get())
         try:
             hash(key)
         except TypeError as err:
@@ -127,6 +128,26 @@ _DEFAULT = Scope()
 _ACTIVE: contextvars.ContextVar[Scope] = contextvars.ContextVar(
     "conformance_scope", default=_DEFAULT
 )
+
+
+_APART: contextvars.ContextVar[tuple[Hashable, ...]] = contextvars.ContextVar(
+    "conformance_apart", default=()
+)
+
+
+@contextlib.contextmanager
+def apart(tag: Hashable) -> Iterator[None]:
+    """Factories called inside memoise apart from the same calls outside, under ``tag``.
+
+    For one model built in a mode its arguments do not name (flax's tree mode, jax's
+    explicit axes): each mode's runners are built once per scope and shared by every
+    check in it, never handed to the other mode.
+    """
+    token = _APART.set((*_APART.get(), tag))
+    try:
+        yield
+    finally:
+        _APART.reset(token)
 
 
 def current() -> Scope:

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from flax import linen as nn
 from flax import nnx
-from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from conformance.contract import LogicalRules
 from conformance.core.trees import LeafSpec, flatten, flatten_state
@@ -121,6 +121,29 @@ def explicit(mesh: Mesh) -> Mesh:
     sharding is ambiguous fail when traced instead of leaving it to the compiler.
     """
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Explicit,) * mesh.devices.ndim)
+
+
+def moved_to(tree: Any, mesh: Mesh) -> Any:
+    """``tree`` with each array laid out on another mesh moved to ``mesh``, laid out alike.
+
+    ``tree`` itself when nothing is elsewhere; a flax module in it is left whole.
+    """
+
+    def elsewhere(leaf: Any) -> bool:
+        sharding = getattr(leaf, "sharding", None)
+        return isinstance(sharding, NamedSharding) and sharding.mesh != mesh
+
+    def moved(leaf: Any) -> Any:
+        if not elsewhere(leaf):
+            return leaf
+        return jax.device_put(leaf, NamedSharding(mesh, leaf.sharding.spec))
+
+    def module(x: Any) -> bool:
+        return isinstance(x, nnx.Module)
+
+    if not any(elsewhere(leaf) for leaf in jax.tree.leaves(tree, is_leaf=module)):
+        return tree
+    return jax.tree.map(moved, tree, is_leaf=module)
 
 
 def explicit_mode() -> bool:

@@ -118,16 +118,24 @@ def rule_patterns(rule: Sequence[str] | LeafTransform) -> list[re.Pattern[str]]:
     return [re.compile(rule[0])]
 
 
-def check_bijection(mapping: Mapping[str, str], nnx_paths: Iterable[str]) -> None:
-    """Raise :class:`PathMapError` unless ``mapping`` covers every NNX path exactly once."""
+def check_bijection(
+    mapping: Mapping[str, str],
+    nnx_paths: Iterable[str],
+    names: tuple[str, str] = ("Linen", "NNX"),
+) -> None:
+    """Raise :class:`PathMapError` unless ``mapping`` covers every NNX path exactly once.
+
+    ``names`` name the source tree and the target (NNX) tree in the error.
+    """
     targets = set(mapping.values())
     nnx_set = set(nnx_paths)
     unmapped = sorted(nnx_set - targets)
     dangling = sorted(f"{src} -> {dst}" for src, dst in mapping.items() if dst not in nnx_set)
     if unmapped or dangling:
-        lines = ["the path map is not a bijection between the Linen and NNX trees:"]
-        lines += [f"  NNX leaf with no Linen source: {p}" for p in unmapped]
-        lines += [f"  Linen leaf mapped to no NNX leaf: {p}" for p in dangling]
+        source, target = names
+        lines = [f"the path map is not a bijection between the {source} and {target} trees:"]
+        lines += [f"  {target} leaf with no {source} source: {p}" for p in unmapped]
+        lines += [f"  {source} leaf mapped to no {target} leaf: {p}" for p in dangling]
         raise PathMapError("\n".join(lines))
 
 

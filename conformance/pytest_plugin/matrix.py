@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from conformance.contract import Pair
 from conformance.core import distributed
 from conformance.pytest_plugin import workers
 from conformance.pytest_plugin.goldens import WRITTEN, unused_goldens
@@ -96,15 +97,8 @@ class SessionReport:
             recorded = settings(self.config).recorded()
             if recorded and any(check.startswith("recorded_") for _, check in results):
                 terminalreporter.write_line("recorded_* compare " + "; ".join(recorded))
-            if any(check == "tree_mode" for _, check in results):
-                terminalreporter.write_line(
-                    "tree_mode compares NNX in tree mode with NNX in graph mode (no Linen)"
-                )
-            if any(check == "explicit_sharding" for _, check in results):
-                terminalreporter.write_line(
-                    "explicit_sharding compares NNX on explicit mesh axes with NNX on auto "
-                    "axes (no Linen)"
-                )
+            for line in pair_lines({check for _, check in results}):
+                terminalreporter.write_line(line)
         if self.config.option.update_snapshots and distributed.is_leader():
             for line in written_lines(self.config.stash.get(WRITTEN, set()), self.roots()):
                 terminalreporter.write_line(line)
@@ -123,6 +117,22 @@ class SessionReport:
         """The directories this run keeps goldens in."""
         run = settings(self.config)
         return run.goldens.roots(list(run.families))
+
+
+_MODE_CHECKS = {"tree_mode": Pair.GRAPH_TREE, "explicit_sharding": Pair.AUTO_EXPLICIT}
+"""The checks comparing two modes of the NNX model, each with the pair it compares."""
+
+
+def pair_lines(rows: set[str]) -> list[str]:
+    """A line per mode pair among the matrix's ``rows``: what its rows compare with what."""
+    lines = []
+    for pair in Pair:
+        named = sorted(
+            row for row in rows if row.endswith(f" {pair.id}") or _MODE_CHECKS.get(row) == pair
+        )
+        if pair.id and named:
+            lines.append(f"{', '.join(named)}: {pair.title} (no Linen)")
+    return lines
 
 
 def written_lines(written: set[Path], roots: Sequence[Path]) -> list[str]:

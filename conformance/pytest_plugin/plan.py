@@ -27,6 +27,7 @@ from conformance.checks.registry import (
 from conformance.contract import (
     Backend,
     Family,
+    Pair,
     layouts,
     preferred_layout,
     quantization_modes,
@@ -80,14 +81,16 @@ class Planned:
         ``variant``: whether the check is a variant of the plain step or forward
         (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``
         (with ``scan_layers``): whether it compares two modes of the NNX model
-        (:attr:`~conformance.checks.registry.Check.mode_pair`).
+        (:attr:`~conformance.checks.registry.Check.mode_pair`, or a mode pair on the
+        ``pair`` axis).
         """
         dtype_ids = {v: k for k, v in DTYPES.items()}
         found: dict[str, Any] = {
             "scan_layers": self.values.get("scan_layers"),
             "quant": self.values.get("quant"),
         }
-        if self.check.mode_pair and found["scan_layers"] is not None:
+        modes = self.check.mode_pair or self.values.get("pair", Pair.LINEN_NNX) != Pair.LINEN_NNX
+        if modes and found["scan_layers"] is not None:
             found["mode_pair"] = True
         found["variant"] = self.check.variant
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
@@ -108,6 +111,12 @@ class Planned:
     def by_name(self) -> dict[str, Any]:
         """Each axis's and parameter's value, by name."""
         return {**self.values, **{name: p.value for name, p in self.params.items()}}
+
+    @property
+    def row(self) -> str:
+        """Its row of the agreement matrix: the check's name, then a mode pair's id."""
+        pair = self.values.get("pair", Pair.LINEN_NNX)
+        return f"{self.check.name} {pair.id}".rstrip()
 
     @property
     def registered(self) -> bool:
@@ -198,6 +207,8 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
         case "recorded":
             backends = recorded_backends(family)
             return [(f"recorded-{b}", b) for b in backends] or [("recorded-none", None)]
+        case "pair":
+            return [(pair.id, pair) for pair in Pair]
         case "quant":
             modes = [
                 m
@@ -216,11 +227,12 @@ def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
     planned = []
     for combo in itertools.product(*axes, *params):
         chosen, own = combo[: len(axes)], combo[len(axes) :]
-        ids = [i for i, _ in chosen] + [p.id for _, p in own]
+        ids = [i for i, _ in chosen] + [p.id for _, p in own]  # "" for Linen vs NNX
         values = {name: value for name, (_, value) in zip(check.axes, chosen, strict=True)}
         names = [*check.axes, *(name for name, _ in own)]
         parts = dict(zip(names, ids, strict=True))
-        planned.append(Planned(check, family, "-".join(ids), values, dict(own), parts))
+        test_id = "-".join(i for i in ids if i)
+        planned.append(Planned(check, family, test_id, values, dict(own), parts))
     return planned
 
 
@@ -260,8 +272,10 @@ def skip_reason(planned: Planned) -> str | None:
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")
     backend = planned.params.get("backend")
+    pair = planned.values.get("pair", Pair.LINEN_NNX)
     if not family.has_linen and (
-        check.pair or (backend is not None and backend.value == Backend.LINEN)
+        (check.pair and pair == Pair.LINEN_NNX)
+        or (backend is not None and backend.value == Backend.LINEN)
     ):
         reason = (
             f"{family.name} has no Linen module (Linen was deleted): its NNX side is "
@@ -278,6 +292,8 @@ def skip_reason(planned: Planned) -> str | None:
     wanted = [p.capability for p in params if p.capability] + [check.capability] * bool(
         check.capability
     )
+    if pair.capability is not None:
+        wanted.append(pair.capability)
     missing = [name for name in wanted if not supports(family, name)]
     if missing:
         declared = " or ".join(spelling(name) for name in missing)

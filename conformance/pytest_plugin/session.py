@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from conformance import contract
-from conformance.contract import Family, preferred_layout, recorded_backends
+from conformance.contract import Family, Pair, preferred_layout, recorded_backends, supports
 from conformance.core import distributed, programs
 from conformance.core.environment import (
     configure_host_platform,
@@ -87,6 +87,16 @@ class Settings:
         """``libtpu-<version>-xla-full``: what a golden compiled for a TPU slice is kept under."""
         return f"libtpu-{libtpu_version()}-xla-full"
 
+    def pairs(self) -> list[str]:
+        """What each pair of sides compares, and for which families of the run."""
+        found = [f"{Pair.LINEN_NNX.title} (test ids name no pair)"]
+        for pair in Pair:
+            if pair.capability is None:
+                continue
+            able = [f.name for f in self.families if supports(f, pair.capability)]
+            found.append(f"{pair.id}: {pair.title} ({', '.join(able) or 'no family'})")
+        return found
+
     def header(self) -> list[str]:
         """Lines saying what the run covers: tier, meshes, families, devices, references."""
         tier = self.tier
@@ -97,7 +107,11 @@ class Settings:
             + ", ".join(tier.dtypes or DTYPES)
             + (" (below f32 on the primary mesh only)" if tier.low_precision_on_primary else ""),
             "one quantization mode per method" if tier.one_mode_per_method else "every mode",
-            *(["variant checks on the primary mesh only"] if tier.variants_on_primary else []),
+            *(
+                ["variant checks and NNX mode pairs on the primary mesh only"]
+                if tier.variants_on_primary
+                else []
+            ),
             *(
                 ["variant checks and NNX mode pairs in one layer layout"]
                 if tier.variants_one_layout
@@ -128,6 +142,7 @@ class Settings:
             )
         if recorded := self.recorded():
             lines.append("conformance: recorded_* checks compare " + "; ".join(recorded))
+        lines.append("conformance: pairs compared: " + "; ".join(self.pairs()))
         for family, built in self.built.items():
             sides = (
                 built

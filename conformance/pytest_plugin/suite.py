@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         except GoldensError as err:  # a user's golden test in a run with no project
             raise pytest.UsageError(f"{item.nodeid}: {err}") from None
         config.stash[CLAIMED].update(path for path in claims if path is not None)
-        item.user_properties.append(("conformance", (planned.family.name, planned.check.name)))
+        item.user_properties.append(("conformance", (planned.family.name, planned.row)))
         item.user_properties.append((AREA, planned.check.area))
         (left_out if tier_leaves_out(run.tier, planned, item) else kept).append(item)
     _refuse_unknown_divergences(run, items)

@@ -61,8 +61,8 @@ class Tier:
     """Keep dtypes below float32 on the primary mesh (the first of ``meshes``) only."""
     variants_on_primary: bool = False
     """Keep the variant checks (quantized, lower-precision, accumulated, tiled steps and
-    forwards: :attr:`~conformance.checks.registry.Check.variant`) on the primary mesh
-    only."""
+    forwards: :attr:`~conformance.checks.registry.Check.variant`) and the mode pairs
+    (two modes of the NNX model on the ``pair`` axis) on the primary mesh only."""
     variants_one_layout: bool = False
     """Keep the variant checks and the checks comparing two modes of the NNX model
     (:attr:`~conformance.checks.registry.Check.mode_pair`) in the family's preferred
@@ -107,8 +107,9 @@ class Tier:
         off_primary = primary is not None and mesh is not None and mesh.id != primary
         if off_primary and self.low_precision_on_primary and dtype not in (None, "f32"):
             return f"dtype {dtype} on mesh {mesh.id} (only on the primary mesh, {primary})"
-        if off_primary and self.variants_on_primary and facets.get("variant"):
-            return f"variant check on mesh {mesh.id} (only on the primary mesh, {primary})"
+        if off_primary and self.variants_on_primary and narrowed:
+            what = "variant check" if facets.get("variant") else "mode pair"
+            return f"{what} on mesh {mesh.id} (only on the primary mesh, {primary})"
         quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"

@@ -45,7 +45,7 @@ from conformance.core.sharding import spec_to_json
 from conformance.runtime.aot import abstract_batch, abstract_params
 from conformance.runtime.calls import ModuleCall
 from conformance.runtime.case import BATCH_SIZE
-from conformance.runtime.sides import Side
+from conformance.runtime.live import Side
 from conformance.runtime.traced import scoped_equations
 
 Spec = tuple[Any, ...]

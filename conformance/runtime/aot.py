@@ -31,7 +31,7 @@ from conformance.core.sharding import spec_to_json
 from conformance.core.trees import flatten
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.generation import step_batch
-from conformance.runtime.sides import Side
+from conformance.runtime.live import Side
 
 
 def batch_rows(case: Case) -> int:

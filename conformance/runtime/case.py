@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from conformance.contract import Batch, Family, LogicalRules, preferred_layout
+from conformance.contract import Batch, Family, LogicalRules, Pair, preferred_layout
 from conformance.core.failure import fail_if_any
 from conformance.core.sharding import (
     Logical,
@@ -52,6 +52,8 @@ class Case:
     """A Qwix mode (a name in :data:`conformance.runtime.quant.MODES`), or float."""
     dtype: Any = jnp.float32
     """The compute dtype ``config`` was made with."""
+    pair: Pair = Pair.LINEN_NNX
+    """The two sides its checks compare (:func:`~conformance.runtime.pairs.live_pair`)."""
 
     @classmethod
     def of(
@@ -64,6 +66,7 @@ class Case:
         mesh: MeshSpec | None = None,
         devices: Mesh | None = None,
         quant: str | None = None,
+        pair: Pair = Pair.LINEN_NNX,
     ) -> Case:
         """The case of ``family`` at ``size`` (default: its device size) and layout.
 
@@ -73,7 +76,7 @@ class Case:
         if scan_layers is None:
             scan_layers = preferred_layout(family)
         config = family.config(size, scan_layers=scan_layers, dtype=dtype)
-        return cls(family, size, scan_layers, config, mesh, devices, quant, dtype)
+        return cls(family, size, scan_layers, config, mesh, devices, quant, dtype, pair)
 
     @property
     def bound(self) -> Any:

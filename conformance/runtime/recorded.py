@@ -26,8 +26,8 @@ from conformance.contract import Batch, Family, upgrade_reference
 from conformance.core.environment import library_versions
 from conformance.core.references import Reference, ReferenceError, directory, read
 from conformance.core.trees import Flat
+from conformance.runtime.live import SIDES
 from conformance.runtime.recording import FORMAT, train_prefix
-from conformance.runtime.sides import SIDES
 
 RECORD_COMMAND = "python -m conformance.record"
 """The command that writes references (:mod:`conformance.cli.record`)."""

@@ -38,7 +38,7 @@ from conformance.core.sharding import MeshSpec, one_device
 from conformance.core.trees import Flat
 from conformance.runtime import quant
 from conformance.runtime.case import BATCH_SIZE, Case
-from conformance.runtime.sides import SIDES, Side
+from conformance.runtime.live import SIDES, Side
 from conformance.runtime.stepping import Training
 
 FORMAT = 1

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from conformance.core.trees import Flat
-from conformance.runtime.sides import Side, Trainer
+from conformance.runtime.live import Side, Trainer
 from conformance.runtime.train_state import flat_state
 from conformance.runtime.transplant import transplant
 

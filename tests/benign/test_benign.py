@@ -29,7 +29,8 @@ CASES = [
 def _id(case):
     variant, check, quant, dtype = case
     low = "-bf16" if dtype == jnp.bfloat16 else ""
-    return f"{variant.name}-{check}" + (f"-{quant}" if quant else "") + low
+    pair = f"-{variant.pair.id}" if variant.pair.id else ""
+    return f"{variant.name}-{check}" + (f"-{quant}" if quant else "") + low + pair
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -40,4 +41,4 @@ def test_variant_passes(case, monkeypatch, tmp_path, tier, primary_mesh):
         pytest.skip(f"not run: tier {tier.name} leaves out {check} with {reason}")
     for patch in variant.patches:
         monkeypatch.setattr(*patch)
-    run_check(check, variant.family, tmp_path, mesh, quant=quant, dtype=dtype)
+    run_check(check, variant.family, tmp_path, mesh, quant=quant, dtype=dtype, pair=variant.pair)

@@ -26,6 +26,7 @@ from flax import nnx
 
 from conformance.contract import (
     Family,
+    Pair,
     Precision,
     PrecisionChange,
     QuantScope,
@@ -105,6 +106,8 @@ class Variant:
     xfails)."""
     checks: tuple[tuple[str, str | None], ...] = CHECKS
     """``(check, quantization mode)`` it must pass (a family's own capabilities differ)."""
+    pair: Pair = Pair.LINEN_NNX
+    """The sides its checks with a ``pair`` axis compare (a mode's rewrite: that mode)."""
 
     def expected_failure(self, check: str, quant: str | None) -> str | None:
         """Why ``check`` fails on this variant, if it does."""
@@ -362,7 +365,8 @@ VARIANTS: tuple[Variant, ...] = (
         "mode; its tree-mode rewrite ties them by calling the embedding's attend",
         (),
         TiedByAttendInTreeMode(),
-        checks=(("tree_mode", None),),
+        checks=(("tree_mode", None), ("forward", None), ("train_step", None)),
+        pair=Pair.GRAPH_TREE,
     ),
     Variant(
         "embed-by-one-hot-on-explicit-axes",
@@ -370,7 +374,8 @@ VARIANTS: tuple[Variant, ...] = (
         "explicit axes contracts a one-hot encoding with the table instead",
         (),
         EmbedByOneHotWhenExplicit(),
-        checks=(("explicit_sharding", None),),
+        checks=(("explicit_sharding", None), ("forward", None), ("train_step", None)),
+        pair=Pair.AUTO_EXPLICIT,
     ),
 )
 """Every benign variant."""

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 from flax import nnx
 
+from conformance.contract import Pair
 from conformance.core.sharding import MeshSpec
 from conformance.core.tpu import TpuCompile
 from conformance.families import Family
@@ -57,6 +58,8 @@ class Fault:
     """Mesh axes the fault needs at size 2 or more to show (a partitioning fault)."""
     dtype: Any = jnp.float32
     """The compute dtype the check runs in, for a check with a ``dtype`` axis."""
+    pair: Pair = Pair.LINEN_NNX
+    """The sides the check compares, for a check with a ``pair`` axis."""
     scenario: Callable[..., None] | None = None
     """Run instead of the check: ``scenario(fault, workdir)`` (a fault in what a check is
     handed, such as another model's checkpoint, rather than in the family)."""
@@ -80,6 +83,7 @@ class Fault:
             scan_layers=self.scan_layers,
             tpu=tpu,
             dtype=self.dtype,
+            pair=self.pair,
         )
 
     @property
@@ -91,18 +95,20 @@ class Fault:
     def id(self) -> str:
         """Test id: the check and the fault's class name, or what was replaced.
 
-        A fault planted below float32 compute ends in its dtype (``@bfloat16``).
+        A fault planted below float32 compute ends in its dtype (``@bfloat16``); one on a
+        mode pair names it after the check (``train_step[graph-vs-tree]``).
         """
         dtype = "" if self.dtype == jnp.float32 else f"@{jnp.dtype(self.dtype).name}"
+        check = f"{self.check}[{self.pair.id}]" if self.pair.id else self.check
         if self.seams:
             planted = ",".join(f"{k}={v.__name__.lstrip('_')}" for k, v in self.seams.items())
-            return f"{self.check}:{planted}{dtype}"
+            return f"{check}:{planted}{dtype}"
         if self.model_patch is not None:
             owner, name, replacement = self.model_patch
             where = owner.__name__.rsplit(".", 1)[-1]
-            return f"{self.check}:{where}.{name}={replacement.__name__.lstrip('_')}{dtype}"
+            return f"{check}:{where}.{name}={replacement.__name__.lstrip('_')}{dtype}"
         scale = f"@{self.size}" if self.production else ""
-        return f"{self.check}:{type(self.family).__name__}{scale}{dtype}"
+        return f"{check}:{type(self.family).__name__}{scale}{dtype}"
 
 
 class NnxConfigFault:

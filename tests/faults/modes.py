@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from conformance.contract import ExplicitSharding, PersistentState, TreeMode, with_features
+from conformance.contract import (
+    ExplicitSharding,
+    Pair,
+    PersistentState,
+    TreeMode,
+    with_features,
+)
 from conformance_models import common, nnx_layers
 from conformance_models.gpt3 import nnx_model as gpt3_nnx
 from conformance_models.gpt3.family import Gpt3Family
@@ -147,6 +153,76 @@ class MlpHiddenOnSequenceWhenExplicit(Gpt3Family):
         return model
 
 
+class _ExactGelu(gpt3_nnx.Mlp):
+    def __call__(self, x):
+        hidden = jax.nn.gelu(self.wi(x), approximate=False)
+        return self.wo(constrain(hidden, common.ACTIVATION_MLP, self.config))
+
+
+class ExactGeluWhenExplicit(Gpt3Family):
+    """The explicit-axes rewrite of the MLP computes the exact GELU, not the tanh one.
+
+    A layer rewritten for a mode is a chance to change what it computes: the logits
+    move by about 1e-3 while every layout agrees.
+    """
+
+    def features(self):
+        return with_features(super().features(), ExplicitSharding(self.exact))
+
+    def exact(self, config, rngs):
+        model = Gpt3Family.nnx_module(self, config, rngs)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, gpt3_nnx.Mlp):
+                node.__class__ = _ExactGelu
+        return model
+
+
+_GATHERED = nnx_layers.gathered
+
+
+def _gathered_without_gradient(kernel, x, num_in=0):
+    """The explicit-axes weight gather with its gradient cut: the forward is unchanged."""
+    found = _GATHERED(kernel, x, num_in)
+    return found if found is kernel else jax.lax.stop_gradient(found)
+
+
+class _CacheIndexKept(nnx_layers.KVCache):
+    """A KV cache rewritten for a mode that writes keys and values but keeps its index."""
+
+    def __call__(self, k, v, segment_ids, mode):
+        if mode == "forward":
+            return super().__call__(k, v, segment_ids, mode)
+        written, attended = common.serve_cache(
+            mode, (self.key[...], self.value[...]), self.index[...], k, v, segment_ids
+        )
+        self.key[...], self.value[...] = written[:2]
+        return attended
+
+
+def _with_index_kept(family, config, rngs):
+    model = Gpt3Family.nnx_module(family, config, rngs)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx_layers.KVCache):
+            node.__class__ = _CacheIndexKept
+    return model
+
+
+class CacheIndexKeptInTreeMode(Gpt3Family):
+    """gpt3's tree-mode rewrite stops advancing the KV cache's index: decoding overwrites."""
+
+    def features(self):
+        rewrite = TreeMode(lambda config, rngs: _with_index_kept(self, config, rngs))
+        return with_features(super().features(), rewrite)
+
+
+class CacheIndexKeptWhenExplicit(Gpt3Family):
+    """gpt3's rewrite for explicit axes stops advancing the KV cache's index."""
+
+    def features(self):
+        rewrite = ExplicitSharding(lambda config, rngs: _with_index_kept(self, config, rngs))
+        return with_features(super().features(), rewrite)
+
+
 def _lookup_by_take(self, ids):
     """Embed's lookup as written for auto axes only: jax cannot lay the rows out alone."""
     return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
@@ -177,6 +253,47 @@ class _OneHotEmbed(nnx_layers.Embed):
 
 
 FAULTS = (
+    Fault(
+        UntiedInTreeMode(),
+        "forward",
+        ("between the NNX graph mode and NNX tree mode trees", "unembed/embedding"),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        CountDroppedInTreeMode(),
+        "train_step",
+        ("step 1 of 3", "state/model/calls", "NNX graph mode", "NNX tree mode"),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        CacheIndexKeptInTreeMode(),
+        "decode",
+        ("decode step 0 of 8", "NNX graph mode", "NNX tree mode", "index"),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        CacheIndexKeptWhenExplicit(),
+        "decode",
+        ("decode step 0 of 8", "NNX auto sharding", "NNX explicit sharding", "index"),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
+    Fault(
+        ExactGeluWhenExplicit(),
+        "forward",
+        (
+            "NNX auto sharding params -> NNX explicit sharding on mesh data2-fsdp2-tensor2",
+            "logits",
+            "mlp",
+        ),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
+    Fault(
+        Gpt3(),
+        "train_step",
+        ("step 1 of 3", "grads/layers/0/mlp/wi/kernel", "NNX explicit sharding"),
+        model_patch=(nnx_layers, "gathered", _gathered_without_gradient),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
     Fault(
         SharedHead(),
         "tree_mode",

@@ -8,6 +8,7 @@ run, never counted as caught.
 import pytest
 
 from conformance.checks import registry
+from conformance.contract import Pair
 from conformance.core.failure import CheckFailure
 from conformance.core.seams import planted
 from conformance.core.tpu import TpuCompile
@@ -54,3 +55,14 @@ def test_every_registered_check_has_a_planted_fault():
     """A check that cannot fail is a defect: every check in the registry is proven by one."""
     missing = sorted(set(registry.BUILTIN) - {fault.check for fault in FAULTS})
     assert not missing, f"checks without a planted fault: {', '.join(missing)}"
+
+
+def test_every_mode_pair_of_a_check_has_a_planted_fault():
+    """A check run on a mode pair (the ``pair`` axis) is proven on each pair by its own fault."""
+    paired = [c.name for c in registry.checks().values() if registry.Axis.PAIR in c.axes]
+    assert paired, "no check runs on the pair axis"
+    planted = {(fault.check, fault.pair) for fault in FAULTS}
+    missing = [
+        f"{name}[{pair.id}]" for name in paired for pair in Pair if (name, pair) not in planted
+    ]
+    assert not missing, f"mode pairs without a planted fault: {', '.join(missing)}"

@@ -32,7 +32,9 @@ def paired(first: Side, second: Side) -> None:
     be reached.
     """
     try:
-        first.leaf_map().check_covers(second.canonical(second.runner.specs), first.runner.specs)
+        first.leaf_map().check_covers(
+            second.canonical(second.runner.specs), first.runner.specs, (first.name, second.name)
+        )
     except PathMapError as err:
         fail(str(err))
 

@@ -54,12 +54,12 @@ def train_pair(
     micro_batches: int = 1,
     vocab_tiles: int = 1,
 ) -> tuple[Training, Training]:
-    """Both live sides' train states on ``case``, the NNX one holding Linen's parameters.
+    """Both sides' train states on ``case``, the second holding the first's parameters.
 
-    Linen's parameters are ``start`` (Linen paths) or its init from seed 0. With
-    ``micro_batches`` or ``vocab_tiles`` above 1 both accumulate or tile their loss,
-    which must not change the parameters. Parameters that do not fit a side fail the
-    check, naming every leaf.
+    The sides are :func:`~conformance.runtime.sides.live_pair`'s; the first's parameters
+    ``start`` (its paths) or its init from seed 0. With ``micro_batches`` or ``vocab_tiles``
+    above 1 both accumulate or tile their loss, which must not change the parameters.
+    Parameters that do not fit a side fail the check, naming every leaf.
     """
     first, second = live_pair(case)
     paired(first, second)
@@ -134,6 +134,7 @@ def step_disagreement(
     series: str = "",
     spread: Callable[[], StepResult] | None = None,
     tolerance: Tolerance | None = None,
+    partitioned_apart: bool = False,
 ) -> str | None:
     """The report of two steps' ``(state, loss, grads)`` disagreeing, or ``None``.
 
@@ -145,9 +146,12 @@ def step_disagreement(
     compared again leaf by leaf: an updated parameter whose gradient is rounding noise
     on both sides (:func:`~conformance.runtime.diagnose.attribution.noise_masked`) and
     an element within the second side's own spread
-    (:func:`~conformance.core.numerics.compare_arrays`) pass.
+    (:func:`~conformance.core.numerics.compare_arrays`) pass. With ``partitioned_apart``
+    (:attr:`~conformance.runtime.live.Side.lays_out_itself`), noise-masked parameters never are.
     """
     pair = (step_tree(first), step_tree(second))
+    if partitioned_apart:
+        pair = (pair[0], noise_masked(*pair)[0])
     mismatches = compare_trees(*pair, tolerance)
     if mismatches and spread is not None:
         pair = (pair[0], noise_masked(*pair)[0])
@@ -221,7 +225,7 @@ def steps_agree(
 
 
 def train_step_parity(case: Case, title: str, float_case: Case | None = None) -> None:
-    """Linen and NNX agree for :data:`STEPS` jitted, sharded steps from the same params.
+    """The case's two sides agree for :data:`STEPS` jitted, sharded steps from the same params.
 
     Compares per step the loss, every gradient, and the whole next state (parameters,
     Adam moments, optax counts and the step counter, which must equal the step number).
@@ -266,6 +270,8 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     def attribution(step: int) -> Callable[[], tuple[StepResult, ...]] | None:
         return None if failures else functools.partial(lambda i: reference()[i], step - 1)
 
+    first_side, second_side = live_pair(case)
+    names = (first_side.name, second_side.name)
     for step, (first, second) in enumerate(steps, start=1):
         # Every step is measured, so a report shows how the error grows; the first
         # failing step's report (with its one-device attribution) is the verdict.
@@ -273,12 +279,14 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
             f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}",
             first,
             second,
+            names,
             judge=judge(step - 1, (first, second)),
             tolerance=tolerance,
             case=case,
             reference=attribution(step),
             figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
             series=f"step {step}",
+            partitioned_apart=first_side.lays_out_itself or second_side.lays_out_itself,
         )
         counter = int(second[0]["optimizer/step"])
         if message is None and counter != step:

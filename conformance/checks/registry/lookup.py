@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from conformance.checks.declare import Check
 from conformance.checks.registry.zoo import checks, installed
+from conformance.contract import Pair
 from conformance.core.sharding import MeshSpec
 from conformance.runtime.case import Case
 
@@ -17,9 +18,9 @@ def case_of(check: Check, values: Mapping[str, Any], mesh: MeshSpec | None, devi
     """The case a test of ``check`` runs on, from its axis values and its mesh.
 
     Axes a check is not parametrized over take their defaults: the family's device
-    size, its preferred layer layout, float32, no quantization. A TPU compile (axis
-    ``tpu``) brings its size, layout and the slice's devices; at production sizes it
-    computes in bfloat16, as production trains.
+    size, its preferred layer layout, float32, no quantization, Linen against NNX. A
+    TPU compile (axis ``tpu``) brings its size, layout and the slice's devices; at
+    production sizes it computes in bfloat16, as production trains.
     """
     family = values["family"]
     size = values.get("size") or values.get("full_size")
@@ -35,6 +36,7 @@ def case_of(check: Check, values: Mapping[str, Any], mesh: MeshSpec | None, devi
         mesh=mesh,
         devices=devices,
         quant=values.get("quant"),
+        pair=values.get("pair", Pair.LINEN_NNX),
     )
 
 

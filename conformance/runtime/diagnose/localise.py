@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from conformance.contract import Batch, PathRules
 from conformance.core.distributed import host_array, is_multiprocess
 from conformance.core.numerics import Mismatch, compare_arrays, strictest_tolerance
+from conformance.core.sharding import explicit_mode, moved_to
 from conformance.core.trees import Flat, PathMapError, map_paths
 from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, mesh_of
 from conformance.runtime.calls import ModuleCall
@@ -78,6 +79,8 @@ class Recorder:
         arrays = _arrays(tree)
         if self._replicated is None:
             return arrays
+        if explicit_mode():  # where a sharding constraint only asserts
+            return [jax.sharding.reshard(x, PartitionSpec()) for x in arrays]
         return [jax.lax.with_sharding_constraint(x, self._replicated) for x in arrays]
 
     def _receive(
@@ -111,9 +114,11 @@ def record(runner: Runner, params: Flat, batch: Batch) -> Recorder:
     recorded: ``nn.scan`` traces its body once more to find broadcast variables and
     refuses any effect there. The transformed module's own call is recorded.
     """
-    recorder = Recorder(mesh_of(params))
+    mesh = mesh_of(params)
+    recorder = Recorder(mesh)
     forward = runner.intercepted(recorder.around)
-    context = runner.context(mesh_of(params))
+    context = runner.context(mesh)
+    batch = batch if mesh is None else moved_to(batch, mesh)  # a mode's own mesh
     # A new jit on purpose: calls are recorded while tracing, so a cached one records nothing.
     jax.block_until_ready(jax.jit(forward)(runner.pack(params), context, batch))
     jax.effects_barrier()
@@ -228,19 +233,23 @@ class Divergence:
     unpaired_inside: int = 0
     """NNX calls inside this module with no recorded Linen counterpart."""
 
-    def describe(self) -> str:
-        """Two or more lines naming the module, the method, the call and the worst leaf."""
+    def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
+        """Two or more lines naming the module, the method, the call and the worst leaf.
+
+        ``names`` name the two sides (the first is the one whose module paths are shown).
+        """
+        first, second = names
         path, method, count = self.linen_call
         where = path or "(the top module)"
         nth = f", call {count + 1}" if count else ""
-        same = "" if self.nnx_path == path else f" (NNX {self.nnx_path or 'top module'})"
+        same = "" if self.nnx_path == path else f" ({second} {self.nnx_path or 'top module'})"
         inputs = (
             "its inputs agree and its output does not"
             if self.inputs_compared
             else "its output differs (its inputs could not be paired, so it may inherit it)"
         )
         inside = (
-            f"; {self.unpaired_inside} NNX call(s) inside it have no recorded Linen "
+            f"; {self.unpaired_inside} {second} call(s) inside it have no recorded {first} "
             "counterpart (Linen calls inside nn.scan and other lifted transforms are not "
             "recorded), so the divergence may be anywhere inside it"
             if self.unpaired_inside
@@ -249,7 +258,7 @@ class Divergence:
         return (
             f"first divergent module: {where}{same}, {method}{nth}: {inputs}; "
             f"the {self.agreed} paired call(s) before it agree{inside}\n    "
-            + self.mismatch.describe().replace("\n", "\n  ")
+            + self.mismatch.describe(names).replace("\n", "\n  ")
         )
 
 

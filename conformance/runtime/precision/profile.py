@@ -254,9 +254,10 @@ def _op(eqn: jcore.JaxprEqn, widened: Widened) -> Op | None:
 
 
 def profile(runner: Runner, batch: Batch) -> Profile:
-    """``runner``'s forward's precision profile, traced from abstract parameters."""
+    """``runner``'s forward's precision profile, traced from abstract parameters and batch."""
     scopes = _Scopes()
     params = {path: jax.ShapeDtypeStruct(s.shape, s.dtype) for path, s in runner.specs.items()}
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     forward = runner.intercepted(scopes.around)
     program = jax.make_jaxpr(forward)(runner.pack(params), runner.context(abstract=True), batch)
     return scopes.profile(program)
