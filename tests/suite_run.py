@@ -75,10 +75,13 @@ def facets(
     *,
     tpu_production: bool = False,
     dtype: Any = jnp.float32,
+    pair: Pair = Pair.LINEN_NNX,
 ) -> dict[str, object]:
     """What a tier narrows the test that would run such a check by."""
     layouts = tuple(bool(s) for s in (params or {}).get("layouts", (0, 0)))
     dtype_id = next(name for name, known in DTYPES.items() if known == dtype)
     found = {"mesh": mesh, "scan_layers": False, "dtype": dtype_id, "layouts": layouts}
     found["tpu_production"] = tpu_production
+    if pair != Pair.LINEN_NNX:
+        found["mode_pair"] = True
     return found | ({"quant": quant} if quant else {})

@@ -84,6 +84,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "forward",  # on the mode pairs: the NNX model in two modes needs no Linen
         "train_step",
         "decode",
+        "init",
     }
     assert ran == expected
 

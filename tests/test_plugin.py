@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conformance.contract import Pair
 from conformance.core.sharding import parse_mesh
 from conformance.pytest_plugin.goldens import unused_goldens
 from conformance.pytest_plugin.options import expand
@@ -528,6 +529,29 @@ def test_the_default_tier_plans_variants_and_mode_pairs_in_one_layout(name):
     kept = [p for p in plan(BUILTIN[name], family, run) if not tier.leaves_out(family, p.facets())]
     assert kept, name
     assert {p.values["scan_layers"] for p in kept} == {False}
+
+
+def test_the_default_tier_runs_the_pair_axis_modes_as_smoke_does():
+    """A check's mode-pair tests: primary mesh, preferred layout, float32; Linen vs NNX all."""
+    from conformance.checks.registry import BUILTIN
+    from conformance.core.roots import Goldens
+    from conformance.pytest_plugin.plan import plan
+    from conformance.pytest_plugin.session import Settings
+
+    family, tier = Gpt3Family(), get_tier("default")
+    meshes = (parse_mesh("data=2,fsdp=2,tensor=2"), parse_mesh("fsdp=8"))
+    run = Settings((family,), meshes, (), tier, "low", Goldens(None))
+    planned = plan(BUILTIN["forward"], family, run)
+    kept = [p for p in planned if not tier.leaves_out(family, p.facets())]
+    modes = [p for p in kept if p.values["pair"] != Pair.LINEN_NNX]
+    assert sorted(p.id for p in modes) == [
+        "gpt3-data2-fsdp2-tensor2-loop-f32-auto-vs-explicit",
+        "gpt3-data2-fsdp2-tensor2-loop-f32-graph-vs-tree",
+    ]
+    assert len(kept) - len(modes) == 6, "Linen vs NNX: both meshes and layouts, bf16 on one"
+    full = get_tier("full")
+    assert not [p for p in planned if full.leaves_out(family, p.facets())]
+    assert {p.row for p in modes} == {"forward graph-vs-tree", "forward auto-vs-explicit"}
 
 
 def test_mode_pairs_are_the_checks_comparing_two_modes_of_nnx():

@@ -5,14 +5,16 @@ flax plans NNX's tree mode as its default (``nnx_graph_mode=False``,
 (shared references), and each rewrite can diverge silently, as the Linen rewrite could.
 The ``tree_mode`` check holds the family's NNX model in graph mode and the same model
 (or the rewrite it declares, :class:`~conformance.contract.TreeMode`) in tree mode to the
-same parameters, forward, train steps and checkpoints.
+same parameters and to each other's checkpoints.
 
 jax's explicit sharding mode makes shardings part of array types: a model written for
 auto axes can fail there, or be rewritten to lay its activations out differently. The
 ``explicit_sharding`` check holds the family's NNX model on auto axes and the same model
 (or the rewrite it declares, :class:`~conformance.contract.ExplicitSharding`) on the
-same devices with explicit axes to the same parameters, forward, train step and
-activation layouts.
+same devices with explicit axes to the same parameters and activation layouts.
+
+Their forward, train steps, decoding and initial values are compared by those checks on
+the ``graph-vs-tree`` and ``auto-vs-explicit`` pairs (:class:`~conformance.contract.Pair`).
 """
 
 from __future__ import annotations
@@ -33,28 +35,24 @@ from conformance.checks.kernel import (
     unanswered,
 )
 from conformance.contract import Backend, TreeMode, required
-from conformance.core.distributed import host_array
 from conformance.core.failure import CheckFailure, fail, fail_if_any
-from conformance.core.numerics import compare_trees, tolerance_for
-from conformance.core.records import failed
-from conformance.core.trees import Flat
 from conformance.runtime.activations import Table
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.checkpoints import CheckpointInfo, save
 from conformance.runtime.modes import (
+    NnxAutoSide,
     NnxExplicitSide,
+    NnxGraphSide,
     NnxTreeSide,
-    explicit_sharding,
     shared_references,
-    tree_mode,
 )
 from conformance.runtime.sides import NnxSide, Side
-from conformance.runtime.stepping import StepResult, Training
+from conformance.runtime.stepping import Training
 from conformance.runtime.train_state import flat_state
 
-GRAPH, TREE = "NNX graph mode", NnxTreeSide.name
+GRAPH, TREE = NnxGraphSide.name, NnxTreeSide.name
 MODES = (GRAPH, TREE)
-AUTO, EXPLICIT = "NNX auto sharding", NnxExplicitSide.name
+AUTO, EXPLICIT = NnxAutoSide.name, NnxExplicitSide.name
 SHARDING_MODES = (AUTO, EXPLICIT)
 SHOWN = 6
 """Values laid out differently a report lists per program, in call order; the rest are counted."""
@@ -122,38 +120,6 @@ def _is_pair(entry: Any) -> bool:
     return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(p, str) for p in entry)
 
 
-def _in_tree_mode(
-    case: Case, graph: Layout, params: Flat, checkpoint: tuple[Path, Flat], workdir: Path
-) -> tuple[Any, StepResult, tuple[StepResult, Flat] | None]:
-    """Tree mode's logits, first step from ``params``, and step resumed from ``checkpoint``.
-
-    ``graph`` is what graph mode built; ``checkpoint`` is graph mode's: its directory and
-    the state saved there. Tree mode's own state after its first step is saved under
-    ``workdir/tree`` and returned beside the resumed step; with accepted parameters
-    (``TreeMode(accept=...)``) the checkpoints are not exchanged, and ``None`` is
-    returned in their place. Run inside :func:`~conformance.runtime.modes.tree_mode`:
-    any side used here is built there.
-    """
-    tree, batch = NnxTreeSide.of(case), case.batch()
-    built = _layout(tree)
-    accepted = _accepted(case, graph, built)
-    fail_if_any(
-        f"{TREE} builds the model differently from {GRAPH}",
-        _layout_differences(graph, built, accepted=accepted),
-    )
-    own = tree.own(params)
-    logits = host_array(tree.forward(tree.place(own), batch)[0])
-    training = Training.start(tree, own)
-    first = training.advance(batch)
-    if accepted:
-        return logits, first, None
-    state = flat_state(training.state)
-    save(workdir / "tree", state, _info(case))
-    resumed = Training.start(tree, params)
-    restored_into(*checkpoint, resumed, f"{GRAPH}'s checkpoint of step 1 read in tree mode")
-    return logits, first, (resumed.advance(batch), state)
-
-
 @contextlib.contextmanager
 def _raised_as(case: Case, mode: str, other: str) -> Iterator[None]:
     """An exception raised inside (not a check's own failure) reported as ``mode``'s."""
@@ -163,18 +129,6 @@ def _raised_as(case: Case, mode: str, other: str) -> Iterator[None]:
         raise
     except Exception as err:
         fail(raised.mode_report(err, case.family, mode, other))
-
-
-def _same_forward_and_step(
-    case: Case, one: tuple[Any, StepResult], other: tuple[Any, StepResult], modes: tuple[str, str]
-) -> None:
-    """Both modes' logits and first train steps agree, as ``(logits, step)`` of each."""
-    (logits, first), (theirs, their_first) = one, other
-    if mismatches := compare_trees(
-        {"logits": logits}, {"logits": theirs}, tolerance_for(case.dtype)
-    ):
-        fail(failed(f"forward on mesh {case.mesh.id}", mismatches, modes))
-    steps_agree(f"one train step on mesh {case.mesh.id}", first, their_first, modes)
 
 
 def _info(case: Case) -> CheckpointInfo:
@@ -190,22 +144,22 @@ def _info(case: Case) -> CheckpointInfo:
     mode_pair=True,
 )
 def check_tree_mode(case: Case, workdir: Path) -> None:
-    """The NNX model in tree mode agrees with itself in graph mode.
+    """The NNX model in tree mode is built as in graph mode, and reads its checkpoints.
 
     The model in tree mode is the rewrite the family declares for it
     (:class:`~conformance.contract.TreeMode`), or its own NNX module. Both modes build the
-    same parameters (paths, shapes, dtypes, logical axis names) and held values; from the
-    same parameters they give the same logits and the same first train step (loss,
-    gradients, next state, persistent state included); and each reads the other's
-    checkpoint strictly: tree mode resumes from graph mode's state after one step and
-    takes the same second step, and graph mode restores tree mode's state byte for byte.
-    A model with shared references, which tree mode cannot hold, fails naming them,
-    unless the family declares its rewrite. Parameters the rewrite holds on purpose where
-    graph mode held none (``TreeMode(accept=...)``) start as copies of the graph-mode
-    parameters named; the forward and train step are compared on every other leaf, and
-    the checkpoints, whose trees then differ, are not exchanged.
+    same parameters (paths, shapes, dtypes, logical axis names) and held values, and
+    each reads the other's checkpoint strictly: tree mode resumes from graph mode's
+    state after one step and takes the same second step, and graph mode restores tree
+    mode's state after one step byte for byte. A model with shared references, which
+    tree mode cannot hold, fails naming them, unless the family declares its rewrite.
+    Parameters the rewrite holds on purpose where graph mode held none
+    (``TreeMode(accept=...)``) must be parameters of tree mode only, each of the shape
+    of the graph-mode parameter it starts as; the checkpoints, whose trees then differ,
+    are not exchanged. The forward, train steps, decoding and initial values of the two
+    modes are compared by those checks on the ``graph-vs-tree`` pair.
     """
-    graph, batch = NnxSide(case), case.batch()
+    graph, tree = NnxGraphSide(case), NnxTreeSide.of(case)
     rewritten = required(case.family, TreeMode).nnx_module is not None
     if (shared := shared_references(graph.runner.abstract)) and not rewritten:
         fail(
@@ -213,21 +167,31 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
             + "; ".join(found.describe() for found in shared)
             + ". Declare the model rewritten without them as TreeMode(nnx_module=...)"
         )
-    params = graph.init(0)
-    logits = host_array(graph.forward(params, batch)[0])
+    built = _layout(graph)
+    with _raised_as(case, TREE, GRAPH):
+        in_tree = _layout(tree)
+        accepted = _accepted(case, built, in_tree)
+        fail_if_any(
+            f"{TREE} builds the model differently from {GRAPH}",
+            _layout_differences(built, in_tree, accepted=accepted),
+        )
+    if accepted:
+        return
+    params, batch = graph.init(0), case.batch()
     straight = Training.start(graph, params)
-    first = straight.advance(batch)
+    straight.advance(batch)
     checkpoint = (workdir / "graph", flat_state(straight.state))
     save(*checkpoint, _info(case))
     second = straight.advance(batch)
-    built = _layout(graph)
-    with _raised_as(case, TREE, GRAPH), tree_mode():
-        tree_logits, tree_first, exchanged = _in_tree_mode(case, built, params, checkpoint, workdir)
-    _same_forward_and_step(case, (logits, first), (tree_logits, tree_first), MODES)
-    if exchanged is None:
-        return
-    resumed, tree_state = exchanged
-    steps_agree(f"step 2, tree mode resumed from {GRAPH}'s checkpoint", second, resumed, MODES)
+    with _raised_as(case, TREE, GRAPH):
+        own = Training.start(tree, params)
+        own.advance(batch)
+        tree_state = flat_state(own.state)
+        save(workdir / "tree", tree_state, _info(case))
+        resumed = Training.start(tree, params)
+        restored_into(*checkpoint, resumed, f"{GRAPH}'s checkpoint of step 1 read in tree mode")
+        their_second = resumed.advance(batch)
+    steps_agree(f"step 2, tree mode resumed from {GRAPH}'s checkpoint", second, their_second, MODES)
     back = Training.start(graph, params)
     restored_into(workdir / "tree", tree_state, back, f"{TREE}'s checkpoint read in graph mode")
 
@@ -266,33 +230,25 @@ def _layout_problems(case: Case, auto: Table, explicit: Table) -> list[str]:
     mode_pair=True,
 )
 def check_explicit_sharding(case: Case) -> None:
-    """The NNX model on explicit mesh axes agrees with itself on auto axes.
+    """The NNX model on explicit mesh axes is built, and lays its values out, as on auto axes.
 
     The model on explicit axes is the rewrite the family declares for them
     (:class:`~conformance.contract.ExplicitSharding`), or its own NNX module, traced with
     the case's mesh made explicit and set in context (``jax.set_mesh``). Both build the
-    same parameters (paths, shapes, dtypes, logical axis names) and held values; from
-    the same parameters they give the same logits and the same first train step; and
+    same parameters (paths, shapes, dtypes, logical axis names) and held values, and
     their compiled forwards lay the values of every module call both make alike. An
     exception raised on explicit axes alone (jax refusing an ambiguous sharding) is
-    reported as the explicit side's.
+    reported as the explicit side's. Their initial values, forward, train steps and
+    decoding are compared by those checks on the ``auto-vs-explicit`` pair.
     """
-    auto, batch = NnxSide(case), case.batch()
-    params = auto.init(0)
-    logits = host_array(auto.forward(params, batch)[0])
-    first = Training.start(auto, params).advance(batch)
+    auto, explicit = NnxSide(case), NnxExplicitSide.of(case)  # auto: activation_sharding's table
     built, table = _layout(auto), FORWARD.table(auto, BATCH_SIZE)
-    with _raised_as(case, EXPLICIT, AUTO), explicit_sharding(case) as on_explicit:
-        explicit = NnxExplicitSide.of(on_explicit)
+    with _raised_as(case, EXPLICIT, AUTO):
         fail_if_any(
             f"{EXPLICIT} builds the model differently from {AUTO}",
             _layout_differences(built, _layout(explicit), ("auto axes", "explicit axes")),
         )
-        explicit_batch = on_explicit.batch()
-        theirs = host_array(explicit.forward(explicit.place(params), explicit_batch)[0])
-        their_first = Training.start(explicit, params).advance(explicit_batch)
         their_table = FORWARD.table(explicit, BATCH_SIZE)
-    _same_forward_and_step(case, (logits, first), (theirs, their_first), SHARDING_MODES)
     fail_if_any(
         f"activation layouts differ on mesh {case.mesh.id}",
         _layout_problems(case, table, their_table),

@@ -160,16 +160,17 @@ def _check_placement(side: Side, specs: Mapping[str, PartitionSpec]) -> None:
     fail_if_any(f"{side.name} arrays placed off their specs", misplaced(params, shardings))
 
 
-@declare(ON_MESH, suite="init")
+@declare((*ON_MESH, Axis.PAIR), suite="init")
 def check_init(case: Case) -> None:
     """Per-leaf mean and std of the two sides' initial values agree within :data:`INIT_Z`.
 
-    Values cannot agree (the backends draw random numbers differently); their
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis).
+    Values need not agree (the backends draw random numbers differently); their
     distributions must. A leaf constant on one side must equal the other exactly.
     """
-    linen, nnx_ = live_pair(case)
-    paired(linen, nnx_)
-    a, b = linen.canonical(linen.init(0)), nnx_.init(0)
+    first, second = live_pair(case)
+    paired(first, second)
+    a, b = first.canonical(first.init(0)), second.canonical(second.init(0))
     problems = []
     for dst in sorted(b):
         x, y = host_array(a[dst]).astype(np.float64), host_array(b[dst]).astype(np.float64)
@@ -185,8 +186,8 @@ def check_init(case: Case) -> None:
             bound = f"|dmean| <= {INIT_Z * mean_se:.3g}, |dstd| <= {INIT_Z * std_se:.3g}"
         if not ok:
             problems.append(
-                f"{dst}: Linen mean={mx:.6g} std={sx:.6g}; NNX mean={my:.6g} std={sy:.6g}; "
-                f"n={n}; allowed {bound}"
+                f"{dst}: {first.name} mean={mx:.6g} std={sx:.6g}; "
+                f"{second.name} mean={my:.6g} std={sy:.6g}; n={n}; allowed {bound}"
             )
     title = (
         f"{len(problems)} leaf initialiser(s) differ in distribution "

@@ -117,6 +117,7 @@ class Settings:
                 if tier.variants_one_layout
                 else []
             ),
+            *(["NNX mode pairs in f32 only"] if tier.mode_pairs_in_f32 else []),
             "expected failures run" if tier.expected_failures else "expected failures left out",
         ]
         families = ", ".join(f.name for f in self.families) or "none"

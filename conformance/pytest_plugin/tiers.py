@@ -13,7 +13,8 @@ never reports another tier's goldens as unused.
   one quantization mode per method, every checkpoint conversion; the variant checks
   (quantized, lower-precision, accumulated, tiled steps and forwards) on the primary
   mesh, and they and the checks comparing two modes of NNX (``tree_mode``,
-  ``explicit_sharding``) in the family's preferred layout.
+  ``explicit_sharding``) in the family's preferred layout; the mode pairs of the checks
+  with a ``pair`` axis as ``smoke`` runs them (primary mesh, preferred layout, float32).
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -67,6 +68,9 @@ class Tier:
     """Keep the variant checks and the checks comparing two modes of the NNX model
     (:attr:`~conformance.checks.registry.Check.mode_pair`) in the family's preferred
     layer layout only."""
+    mode_pairs_in_f32: bool = False
+    """Keep the mode pairs (two modes of the NNX model on the ``pair`` axis) in float32
+    compute only."""
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -103,6 +107,8 @@ class Tier:
         dtype = facets.get("dtype")
         if dtype and self.dtypes is not None and dtype not in self.dtypes:
             return f"dtype {dtype}"
+        if self.mode_pairs_in_f32 and facets.get("mode_pair") and dtype not in (None, "f32"):
+            return f"mode pair in dtype {dtype} (only in f32)"
         primary = self.meshes[0] if self.meshes else None
         off_primary = primary is not None and mesh is not None and mesh.id != primary
         if off_primary and self.low_precision_on_primary and dtype not in (None, "f32"):
@@ -159,6 +165,7 @@ TIERS: dict[str, Tier] = {
             low_precision_on_primary=True,
             variants_on_primary=True,
             variants_one_layout=True,
+            mode_pairs_in_f32=True,
         ),
         Tier(
             "full",

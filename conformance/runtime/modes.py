@@ -1,4 +1,4 @@
-"""Modes of NNX: a family's NNX model in flax's tree mode, or on jax's explicit axes.
+r"""Modes of NNX: a family's NNX model in flax's tree mode, or on jax's explicit axes.
 
 flax 0.12 traces NNX transforms in graph mode by default and plans tree mode as the
 default (``nnx_graph_mode=False``, ``nnx_graph_updates=False``). :func:`tree_mode` runs
@@ -7,9 +7,13 @@ rewrite it declares for tree mode (:class:`~conformance.contract.TreeMode`), or 
 NNX module.
 
 jax's explicit sharding mode makes each array's sharding part of its type.
-:func:`explicit_sharding` runs what it encloses with a case's mesh made explicit;
-:class:`NnxExplicitSide` is the family's NNX model there: the rewrite it declares for
-explicit axes (:class:`~conformance.contract.ExplicitSharding`), or its own NNX module.
+:class:`NnxExplicitSide` is the family's NNX model on its case's devices with every
+mesh axis explicit: the rewrite it declares for explicit axes
+(:class:`~conformance.contract.ExplicitSharding`), or its own NNX module.
+
+Both are mode sides (:class:`ModeSide`): whatever check calls them, they build, trace and run in
+their mode. :class:`NnxGraphSide` and :class:`NnxAutoSide` are the NNX model in the
+default modes, named as such.
 """
 
 from __future__ import annotations
@@ -250,18 +254,6 @@ def _ends_in(path: str, tail: str) -> bool:
     return path == tail or path.endswith("/" + tail)
 
 
-@contextlib.contextmanager
-def explicit_sharding(case: Case) -> Iterator[Case]:
-    """``case`` on its devices with every mesh axis explicit, set as the mesh in context.
-
-    Everything traced inside sees the explicit mesh (``jax.set_mesh``); runners built
-    inside are memoised apart, as :func:`tree_mode`'s are.
-    """
-    on_explicit = _explicit_case(case)
-    with _on(on_explicit.devices):
-        yield on_explicit
-
-
 def _explicit_case(case: Case) -> Case:
     if case.devices is None:
         raise ValueError(f"{case.family.name}: explicit sharding needs a case on devices")
@@ -288,7 +280,7 @@ class NnxAutoSide(NnxSide):
 
 @dataclasses.dataclass(frozen=True)
 class NnxExplicitSide(ModeSide):
-    """The NNX model on its case's devices with every axis explicit (:func:`explicit_sharding`).
+    """The NNX model on its case's devices with every axis explicit, the mesh in context.
 
     Its case's family builds the rewrite it declares for explicit axes (:func:`rewrite`);
     its parameter paths are canonical. Arrays given to its programs are taken onto the

@@ -365,7 +365,7 @@ VARIANTS: tuple[Variant, ...] = (
         "mode; its tree-mode rewrite ties them by calling the embedding's attend",
         (),
         TiedByAttendInTreeMode(),
-        checks=(("tree_mode", None), ("forward", None), ("train_step", None)),
+        checks=(("tree_mode", None), ("init", None), ("forward", None), ("train_step", None)),
         pair=Pair.GRAPH_TREE,
     ),
     Variant(
@@ -374,7 +374,12 @@ VARIANTS: tuple[Variant, ...] = (
         "explicit axes contracts a one-hot encoding with the table instead",
         (),
         EmbedByOneHotWhenExplicit(),
-        checks=(("explicit_sharding", None), ("forward", None), ("train_step", None)),
+        checks=(
+            ("explicit_sharding", None),
+            ("init", None),
+            ("forward", None),
+            ("train_step", None),
+        ),
         pair=Pair.AUTO_EXPLICIT,
     ),
 )

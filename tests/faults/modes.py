@@ -223,6 +223,29 @@ class CacheIndexKeptWhenExplicit(Gpt3Family):
         return with_features(super().features(), rewrite)
 
 
+def _embedding_at_ten_times(family, config, rngs):
+    model = Gpt3Family.nnx_module(family, config, rngs)
+    embedding = model.token_embed.embedding
+    embedding.set_value(embedding.get_value() * 10.0)
+    return model
+
+
+class EmbeddingInitScaleInTreeMode(Gpt3Family):
+    """gpt3's tree-mode rewrite initialises the token embedding at ten times the scale."""
+
+    def features(self):
+        rewrite = TreeMode(lambda config, rngs: _embedding_at_ten_times(self, config, rngs))
+        return with_features(super().features(), rewrite)
+
+
+class EmbeddingInitScaleWhenExplicit(Gpt3Family):
+    """gpt3's rewrite for explicit axes initialises the token embedding at ten times the scale."""
+
+    def features(self):
+        rewrite = ExplicitSharding(lambda c, rngs: _embedding_at_ten_times(self, c, rngs))
+        return with_features(super().features(), rewrite)
+
+
 def _lookup_by_take(self, ids):
     """Embed's lookup as written for auto axes only: jax cannot lay the rows out alone."""
     return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
@@ -264,6 +287,18 @@ FAULTS = (
         "train_step",
         ("step 1 of 3", "state/model/calls", "NNX graph mode", "NNX tree mode"),
         pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        EmbeddingInitScaleInTreeMode(),
+        "init",
+        ("token_embed/embedding: NNX graph mode mean=", "NNX tree mode mean="),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        EmbeddingInitScaleWhenExplicit(),
+        "init",
+        ("token_embed/embedding: NNX auto sharding mean=", "NNX explicit sharding mean="),
+        pair=Pair.AUTO_EXPLICIT,
     ),
     Fault(
         CacheIndexKeptInTreeMode(),
@@ -313,8 +348,9 @@ FAULTS = (
     ),
     Fault(
         UntiedAndAcceptedInTreeMode(),
-        "tree_mode",
-        ("one train step on mesh", "grads/token_embed/embedding"),
+        "train_step",
+        ("step 1 of 3", "grads/token_embed/embedding", "NNX tree mode"),
+        pair=Pair.GRAPH_TREE,
     ),
     Fault(
         AcceptsWhatTreeModeLacks(),
@@ -327,7 +363,7 @@ FAULTS = (
     Fault(
         CountDroppedInTreeMode(),
         "tree_mode",
-        ("one train step on mesh", "state/model/calls"),
+        ("step 2, tree mode resumed from NNX graph mode's checkpoint", "state/model/calls"),
     ),
     Fault(
         MlpHiddenOnSequenceWhenExplicit(),

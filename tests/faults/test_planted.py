@@ -33,7 +33,14 @@ def _tpu_compile(fault, request) -> TpuCompile | None:
 def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh, request):
     mesh, _ = primary_mesh
     production = fault.production and registry.get(fault.check).where == "tpu"
-    found = facets(mesh, fault.quant, fault.params, tpu_production=production, dtype=fault.dtype)
+    found = facets(
+        mesh,
+        fault.quant,
+        fault.params,
+        tpu_production=production,
+        dtype=fault.dtype,
+        pair=fault.pair,
+    )
     if reason := tier.leaves_out(fault.family, found):
         pytest.skip(f"not run: tier {tier.name} leaves out {fault.check} with {reason}")
     tpu = _tpu_compile(fault, request)
