@@ -1,11 +1,12 @@
-"""Prefill and decode checks: the KV cache's layout, self-consistency and Linen/NNX parity.
+"""Prefill and decode checks: the KV cache's layout, self-consistency and the sides' parity.
 
-Both backends serve the same parameters (Linen's, transplanted to NNX) through the same
-loop (:func:`conformance.runtime.generation.generate`): right-padded prompts of different lengths,
-then :data:`DECODE_STEPS` greedy tokens. A backend is self-consistent when its prefill
-logits and every decode step's logits equal its own full-sequence forward on the prompt
-plus the tokens it generated; the backends agree when their logits agree at prefill and
-at every step and their greedy tokens are identical.
+Both sides of a case (Linen and NNX, or the NNX model in two modes) serve the same
+parameters (the first side's, transplanted to the second) through the same loop
+(:func:`conformance.runtime.generation.generate`): right-padded prompts of different
+lengths, then :data:`DECODE_STEPS` greedy tokens. A side is self-consistent when its
+prefill logits and every decode step's logits equal its own full-sequence forward on the
+prompt plus the tokens it generated; the sides agree when their logits agree at prefill
+and at every step and their greedy tokens are identical.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Served:
 
     side: str
     params: Flat
-    """The parameters it served (Linen's init; on NNX, transplanted), on the mesh."""
+    """The parameters it served (the first side's init; on the second, transplanted)."""
     generation: Generation
     forward_logits: np.ndarray
     """``[rows, sequence length, vocab]``: the plain forward on ``generation.sequence``."""
@@ -108,14 +109,14 @@ class Served:
 
 @scoped
 def serve_both(case: Case) -> tuple[Served, ...]:
-    """Serve Linen's parameters on both backends; computed once per case."""
+    """Serve the first side's parameters on both sides of ``case``; computed once per case."""
     return _serve(live_pair(case), None)
 
 
 def _serve(
     sides: tuple[Side, Side], start: Flat | None, forced: bool = False
 ) -> tuple[Served, ...]:
-    """Both sides served from Linen's init, or from Linen parameters ``start`` when given.
+    """Both sides served from the first's init, or from its parameters ``start`` when given.
 
     ``forced``: the second side is fed the first side's greedy tokens (teacher forcing).
     """
@@ -144,7 +145,7 @@ def _decode_attribution(
 ) -> str:
     """Which side's prefill and first ``upto`` decode steps move when served on one device.
 
-    ``generations`` were served on the mesh from Linen parameters ``start``; ``forced``:
+    ``generations`` were served on the mesh from the first side's ``start``; ``forced``:
     the second was fed the first's tokens, and is so again on one device.
     """
     sides = live_pair(case)

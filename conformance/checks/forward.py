@@ -72,15 +72,20 @@ def _first_divergent_block(
 
 
 def _measure_forward(
-    title: str, a: ForwardResult, b: ForwardResult, tol: Tolerance, found: Mismatch | None
+    title: str,
+    results: tuple[ForwardResult, ForwardResult],
+    names: tuple[str, str],
+    tol: Tolerance,
+    found: Mismatch | None,
 ) -> None:
     """Emit each block's hidden-state error (when both sides sow them), then the logits'."""
     if not listening():
         return
+    a, b = results
     figure = f"forward: error per decoder block ({a.logits.dtype})"
 
-    def where(x: str) -> dict[str, str]:
-        return {"figure": figure, "series": title, "x": x}
+    def where(x: str) -> dict[str, Any]:
+        return {"figure": figure, "series": title, "x": x, "names": names}
 
     if a.hidden is not None and b.hidden is not None and a.hidden.shape == b.hidden.shape:
         for i in range(a.hidden.shape[0]):
@@ -111,7 +116,7 @@ def check_forward(case: Case) -> None:
     """
     first, second = live_pair(case)
     paired(first, second)
-    batch = case.batch()
+    names, batch = (first.name, second.name), case.batch()
     first_own, second_own = first.init(0), second.init(1)
     directions = {
         f"{first.name} params -> {second.name}": (first_own, second.receive(first_own, first)),
@@ -139,7 +144,7 @@ def check_forward(case: Case) -> None:
         if found is not None and lower:
             rounding = _rounding((a.logits, b.logits), twins)
             found = None if rounding.accepted else found
-        _measure_forward(f"{direction} on mesh {case.mesh.id}", a, b, tol, found)
+        _measure_forward(f"{direction} on mesh {case.mesh.id}", (a, b), names, tol, found)
         compared.append((direction, first_params, second_params, a, b, tol, found, moved, rounding))
     # Both directions are measured first; the first that disagrees is the verdict.
     for direction, first_params, second_params, a, b, tol, found, moved, rounding in compared:
@@ -155,7 +160,6 @@ def check_forward(case: Case) -> None:
             first.leaf_map().pairs(),
             rules,
         )
-        names = (first.name, second.name)
         divergence = isinstance(found_module, Divergence)
         where = found_module.describe(names) if divergence else found_module
         if not divergence or found_module.unpaired_inside:
@@ -164,7 +168,7 @@ def check_forward(case: Case) -> None:
             params = (first_params, second_params)
             moved = forward_attribution(first, second, (a.logits, b.logits), params)
         fail(
-            report(f"{direction} on mesh {case.mesh.id}", [found], (first.name, second.name))
+            report(f"{direction} on mesh {case.mesh.id}", [found], names)
             + f"\n  {where}\n  {attribution_text(moved)}"
             + ("" if rounding is None else f"\n  bfloat16 rounding: {rounding.text}")
             + _precision_note(case, first, second, batch, rules)
@@ -172,11 +176,11 @@ def check_forward(case: Case) -> None:
 
 
 def _rounding(logits: tuple[Any, Any], twins: tuple[Any, Any]) -> RoundingVerdict:
-    """Whether low-precision ``logits`` (Linen's, NNX's) differ by rounding only.
+    """Whether the two sides' low-precision ``logits`` differ by rounding only.
 
     ``twins`` are the same forwards in float32 compute. Accepted when the twins agree
-    within the float32 policy and NNX is within rounding of Linen
-    (:func:`~conformance.core.rounding.within_rounding`, against Linen's float32 logits).
+    within the float32 policy and the second side is within rounding of the first
+    (:func:`~conformance.core.rounding.within_rounding`, against the first's float32 logits).
     """
     return pair_within_rounding("forwards", logits, twins)
 
@@ -189,7 +193,8 @@ def _precision_note(case: Case, first: Side, second: Side, batch: Batch, rules: 
     except Exception as err:  # the note is advice: a failure is already being reported
         reason = re.sub(r"\s+", " ", str(err))[:300]
         return f"\n  precision profiles could not be traced ({type(err).__name__}: {reason})"
-    return "".join(f"\n  precision differs: {change.describe()}" for change in changes)
+    names = (first.name, second.name)
+    return "".join(f"\n  precision differs: {change.describe(names)}" for change in changes)
 
 
 def unusable(logits: np.ndarray) -> np.ndarray:

@@ -20,7 +20,6 @@ the ``graph-vs-tree`` and ``auto-vs-explicit`` pairs (:class:`~conformance.contr
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from conformance.runtime.modes import (
     NnxExplicitSide,
     NnxGraphSide,
     NnxTreeSide,
+    accepted,
     shared_references,
 )
 from conformance.runtime.sides import NnxSide, Side
@@ -96,16 +96,16 @@ def _layout_differences(
 def _accepted(case: Case, graph: Layout, tree: Layout) -> dict[str, str]:
     """The parameters the family accepts in tree mode only, each with its graph-mode source.
 
-    Fails naming each entry of ``TreeMode(accept=...)`` that is not a parameter of tree
-    mode only, or whose source is not a graph-mode parameter of its shape and dtype.
+    Fails on malformed entries of ``TreeMode(accept=...)``, and naming each that is not a
+    parameter of tree mode only, or whose source is not a graph-mode parameter of its
+    shape and dtype.
     """
-    entries = required(case.family, TreeMode).accept
-    if not all(_is_pair(entry) for entry in entries):
-        fail(f"TreeMode(accept=...) takes (path, source) pairs of strings, not {entries!r}")
-    accept = dict(entries)
+    try:
+        accept = accepted(case.family)
+    except ValueError as err:
+        fail(str(err))
     (graph_specs, _, _), (tree_specs, _, _) = graph, tree
-    counts = Counter(path for path, _ in entries)
-    problems = [f"{path}: accepted {n} times" for path, n in counts.items() if n > 1]
+    problems = []
     for path, source in accept.items():
         if path in graph_specs or path not in tree_specs:
             problems.append(f"{path}: accepted as a parameter of tree mode only, which it is not")
@@ -114,10 +114,6 @@ def _accepted(case: Case, graph: Layout, tree: Layout) -> dict[str, str]:
             problems.append(f"{path}: {tree_specs[path]} cannot start as {source}: {held}")
     fail_if_any(f"TreeMode(accept=...) of {case.family.name} does not fit the rewrite", problems)
     return accept
-
-
-def _is_pair(entry: Any) -> bool:
-    return isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(p, str) for p in entry)
 
 
 @contextlib.contextmanager

@@ -329,7 +329,7 @@ def mode_report(
 
     For two modes of one backend (NNX in tree mode and in graph mode): the raising mode
     is named as such, and no other backend is probed. Without ``other_ran``, ``side`` is
-    the mode every other check runs, and raised before ``other`` ran.
+    the default mode, every other check's, so ``other`` is not blamed.
     """
     found = raised_in(error) or Raised(side, "", "", error)
     doing = f" while {found.doing} ({found.call})" if found.doing else ""
@@ -339,5 +339,8 @@ def mode_report(
     if other_ran:
         lines.append(f"{other} got through the same calls: a divergence of {side}, not of both")
     else:
-        lines.append(f"{other} was not run: {side} fails as the Linen-vs-NNX checks run it")
+        lines.append(
+            f"{side} is the NNX model in its default mode, as the Linen-vs-NNX checks run "
+            f"it: a failure of the model itself, not of {other}"
+        )
     return "\n  ".join(lines)

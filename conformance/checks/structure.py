@@ -165,8 +165,9 @@ def check_init(case: Case) -> None:
     """Per-leaf mean and std of the two sides' initial values agree within :data:`INIT_Z`.
 
     The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis).
-    Values need not agree (the backends draw random numbers differently); their
-    distributions must. A leaf constant on one side must equal the other exactly.
+    Values need not agree (the backends draw random numbers differently, and a mode's
+    rewrite may build its modules in another order); their distributions must. A leaf
+    constant on one side must equal the other exactly.
     """
     first, second = live_pair(case)
     paired(first, second)

@@ -58,8 +58,8 @@ BACKENDS = tuple(backend.value for backend in Backend)
 class Pair(enum.StrEnum):
     """Two sides a check compares: two backends, or two modes of the NNX model.
 
-    Its value is its part of test ids (none for :attr:`LINEN_NNX`, every test's pair
-    before modes were sides), and it compares equal to that id.
+    Its :attr:`id` is its part of test ids: none for :attr:`LINEN_NNX` (every test's
+    pair before modes were sides), else its value, which it compares equal to.
     """
 
     LINEN_NNX = "linen-vs-nnx"
@@ -69,9 +69,9 @@ class Pair(enum.StrEnum):
     """NNX on auto mesh axes against the same devices with every axis explicit."""
 
     @property
-    def title(self) -> str:
+    def label(self) -> str:
         """What is compared with what, as reports and the matrix say it."""
-        return _PAIR_TITLES[self]
+        return _PAIR_LABELS[self]
 
     @property
     def capability(self) -> str | None:
@@ -84,7 +84,7 @@ class Pair(enum.StrEnum):
         return "" if self is Pair.LINEN_NNX else self.value
 
 
-_PAIR_TITLES = {
+_PAIR_LABELS = {
     Pair.LINEN_NNX: "NNX vs Linen",
     Pair.GRAPH_TREE: "NNX tree mode vs NNX graph mode",
     Pair.AUTO_EXPLICIT: "NNX explicit sharding vs NNX auto sharding",

@@ -124,14 +124,21 @@ def explicit(mesh: Mesh) -> Mesh:
 
 
 def moved_to(tree: Any, mesh: Mesh) -> Any:
-    """``tree`` with each array laid out on another mesh moved to ``mesh``, laid out alike.
+    """``tree`` with each array on another mesh of ``mesh``'s devices moved to ``mesh``.
 
-    ``tree`` itself when nothing is elsewhere; a flax module in it is left whole.
+    Laid out alike (the same ``PartitionSpec``): for a mesh of other axis types. An array
+    on other devices is left as it is, for the program to refuse; ``tree`` itself when
+    nothing moves; a flax module in it is left whole.
     """
+    devices = tuple(mesh.devices.flat)
 
     def elsewhere(leaf: Any) -> bool:
         sharding = getattr(leaf, "sharding", None)
-        return isinstance(sharding, NamedSharding) and sharding.mesh != mesh
+        return (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh != mesh
+            and tuple(sharding.mesh.devices.flat) == devices
+        )
 
     def moved(leaf: Any) -> Any:
         if not elsewhere(leaf):

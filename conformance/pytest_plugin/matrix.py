@@ -131,7 +131,7 @@ def pair_lines(rows: set[str]) -> list[str]:
             row for row in rows if row.endswith(f" {pair.id}") or _MODE_CHECKS.get(row) == pair
         )
         if pair.id and named:
-            lines.append(f"{', '.join(named)}: {pair.title} (no Linen)")
+            lines.append(f"{', '.join(named)}: {pair.label} (no Linen)")
     return lines
 
 

@@ -89,12 +89,12 @@ class Settings:
 
     def pairs(self) -> list[str]:
         """What each pair of sides compares, and for which families of the run."""
-        found = [f"{Pair.LINEN_NNX.title} (test ids name no pair)"]
+        found = [f"{Pair.LINEN_NNX.label} (test ids name no pair)"]
         for pair in Pair:
             if pair.capability is None:
                 continue
             able = [f.name for f in self.families if supports(f, pair.capability)]
-            found.append(f"{pair.id}: {pair.title} ({', '.join(able) or 'no family'})")
+            found.append(f"{pair.id}: {pair.label} ({', '.join(able) or 'no family'})")
         return found
 
     def header(self) -> list[str]:

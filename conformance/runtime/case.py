@@ -53,7 +53,7 @@ class Case:
     dtype: Any = jnp.float32
     """The compute dtype ``config`` was made with."""
     pair: Pair = Pair.LINEN_NNX
-    """The two sides its checks compare (:func:`~conformance.runtime.pairs.live_pair`)."""
+    """The two sides its checks compare (:func:`~conformance.runtime.sides.live_pair`)."""
 
     @classmethod
     def of(

@@ -22,6 +22,7 @@ import abc
 import contextlib
 import copy
 import dataclasses
+import functools
 import traceback
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -92,14 +93,37 @@ def shared_references(model: nnx.Module) -> list[Shared]:
     ]
 
 
+@functools.cache
 def rewrite(family: Family, mode: type[TreeMode | ExplicitSharding] = TreeMode) -> Family:
-    """``family`` building the rewrite it declares for ``mode`` as its NNX module, if any."""
+    """``family`` building the rewrite it declares for ``mode`` as its NNX module, if any.
+
+    One view per family and mode, so runners built from it are shared as the family's are.
+    """
     found = declared(family, mode)
     if found is None or found.nnx_module is None:
         return family
     view = copy.copy(family)
     object.__setattr__(view, "nnx_module", found.nnx_module)
     return view
+
+
+def accepted(family: Family) -> dict[str, str]:
+    """``TreeMode(accept=...)`` of ``family``: ``{rewrite-only parameter: its source}``.
+
+    Each source is the graph-mode parameter it starts as. Raises :class:`ValueError`
+    unless the entries are ``(path, source)`` pairs of strings, each path once.
+    """
+    found = declared(family, TreeMode)
+    entries = () if found is None else found.accept
+    if not all(
+        isinstance(e, tuple) and len(e) == 2 and all(isinstance(p, str) for p in e) for e in entries
+    ):
+        raise ValueError(
+            f"TreeMode(accept=...) takes (path, source) pairs of strings, not {entries!r}"
+        )
+    if repeated := sorted({path for path, _ in entries if sum(p == path for p, _ in entries) > 1}):
+        raise ValueError(f"TreeMode(accept=...) names {', '.join(repeated)} more than once")
+    return dict(entries)
 
 
 class InMode:
@@ -141,10 +165,13 @@ class InMode:
 
 
 def _in_mode(value: Any, side: ModeSide) -> Any:
-    """``value``, run in ``side``'s mode if it can be called (not a class or a module)."""
-    if not callable(value) or isinstance(value, type | nnx.Module | InMode):
+    """``value`` in ``side``'s mode: a runtime object of the side, or a callable.
+
+    A class or a module is returned as it is, as is anything else not callable.
+    """
+    if type(value) is InMode or isinstance(value, type | nnx.Module):
         return value
-    return InMode(value, side)
+    return InMode(value, side) if callable(value) or isinstance(value, tuple(side.parts)) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,11 +218,14 @@ class ModeSide(NnxSide):
 
 
 def mode_of(error: BaseException) -> ModeSide | None:
-    """The mode side whose object ``error`` was raised in, if any (innermost)."""
+    """The mode side ``error`` was raised in, building or running its objects, if any."""
     found = None
     for frame, _ in traceback.walk_tb(error.__traceback__):
-        if isinstance(owner := frame.f_locals.get("self"), InMode):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, InMode):
             found = owner._side
+        elif isinstance(owner, ModeSide):
+            found = owner
     return found
 
 
@@ -220,21 +250,15 @@ class NnxTreeSide(ModeSide):
 
     name: ClassVar[str] = "NNX tree mode"
 
-    def accepted(self) -> dict[str, str]:
-        """The rewrite's own parameters, each with the graph-mode one it starts as."""
-        found = declared(self.case.family, TreeMode)
-        entries = () if found is None else found.accept
-        return {e[0]: e[1] for e in entries if isinstance(e, tuple) and len(e) == 2}
-
     def canonical(self, flat: Flat) -> Flat:
-        """``flat`` without the accepted parameters' leaves."""
-        accepted = self.accepted()
-        return {p: v for p, v in flat.items() if not any(_ends_in(p, a) for a in accepted)}
+        """``flat`` without the accepted parameters' leaves (:func:`accepted`)."""
+        own = accepted(self.case.family)
+        return {p: v for p, v in flat.items() if not any(_ends_in(p, a) for a in own)}
 
     def own(self, flat: Flat) -> Flat:
         """``flat`` with each accepted parameter's leaves copied from its source's."""
         found = dict(flat)
-        for path, source in self.accepted().items():
+        for path, source in accepted(self.case.family).items():
             for key, value in flat.items():
                 if _ends_in(key, source):
                     found[key.removesuffix(source) + path] = value

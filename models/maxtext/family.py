@@ -379,10 +379,21 @@ _TREE_MODE_SHARED_RNGS = (
 )
 
 
-def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> Divergence:
-    """``tree_mode`` fails: ``where`` keeps the nnx.Rngs it hands ``to``, which keeps it too."""
+_ON_THE_TREE_PAIR = ("init", "forward", "train_step", "decode")
+"""The checks that also compare graph with tree mode, on the ``graph-vs-tree`` pair."""
+
+
+def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> tuple[Divergence, ...]:
+    """Tree mode fails: ``where`` keeps the nnx.Rngs it hands ``to``, which keeps it too.
+
+    The ``tree_mode`` check, and every check's tests on the ``graph-vs-tree`` pair.
+    """
     reason = _TREE_MODE_SHARED_RNGS.format(release=release, where=where, to=to)
-    return Divergence("tree_mode", reason, narrowed)
+    on_pair = {**narrowed, "pair": "graph-vs-tree"}
+    return (
+        Divergence("tree_mode", reason, narrowed),
+        *(Divergence(check, reason, on_pair) for check in _ON_THE_TREE_PAIR),
+    )
 
 
 _TREE_MODE_0_2_4 = _shared_rngs(
@@ -404,7 +415,7 @@ _TREE_MODE_DECODER = _shared_rngs(
 def _releases(
     found: tuple[Divergence, ...],
     only: Mapping[str, tuple[Divergence, ...]] = MappingProxyType({}),
-    tree_mode: Divergence = _TREE_MODE_LAYER,
+    tree_mode: tuple[Divergence, ...] = _TREE_MODE_LAYER,
 ) -> Mapping[str, tuple[Divergence, ...]]:
     """Known divergences by maxtext release: ``found`` on every release, then ``only``'s.
 
@@ -416,7 +427,7 @@ def _releases(
     tree = {"0.2.4": _TREE_MODE_0_2_4, "0.2.5": tree_mode}
     return MappingProxyType(
         {
-            release: (tiling[release], tree[release], *found, *only.get(release, ()))
+            release: (tiling[release], *tree[release], *found, *only.get(release, ()))
             for release in tiling
         }
     )

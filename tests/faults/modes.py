@@ -277,15 +277,15 @@ class _OneHotEmbed(nnx_layers.Embed):
 
 FAULTS = (
     Fault(
-        UntiedInTreeMode(),
+        SharedHead(),
         "forward",
-        ("between the NNX graph mode and NNX tree mode trees", "unembed/embedding"),
+        ("NNX tree mode raised ValueError", "Duplicate", "not of both"),
         pair=Pair.GRAPH_TREE,
     ),
     Fault(
-        CountDroppedInTreeMode(),
-        "train_step",
-        ("step 1 of 3", "state/model/calls", "NNX graph mode", "NNX tree mode"),
+        UntiedInTreeMode(),
+        "forward",
+        ("between the NNX graph mode and NNX tree mode trees", "unembed/embedding"),
         pair=Pair.GRAPH_TREE,
     ),
     Fault(

@@ -228,12 +228,7 @@ FAULTS = (
         "aux_losses",
         ("moe_lb_loss: Linen's train step added exactly 0 to its loss",),
     ),
-    Fault(
-        Llama(),
-        "grad_accumulation",
-        ("NNX one step", "loss:"),
-        seams={"nnx_accumulate": drop_last_micro_batch},
-    ),
+    # Dropping NNX's last micro-batch is planted in bfloat16 (below), Linen's in float32.
     Fault(
         Llama(),
         "grad_accumulation",

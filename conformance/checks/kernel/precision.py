@@ -21,8 +21,8 @@ from conformance.runtime.sides import Side
 
 
 def precision_differences(
-    linen: Side,
-    nnx_: Side,
+    one: Side,
+    other: Side,
     batch: Batch,
     rules: PathRules,
     accepted: Sequence[PrecisionChange] = (),
@@ -30,12 +30,12 @@ def precision_differences(
     """Paired modules whose forward computes, takes or returns other dtypes per side.
 
     Returns the differences no ``accepted`` change covers, and the accepted changes that
-    cover none. ``rules`` are the family's path rules, which pair modules holding no
-    parameters.
+    cover none. ``rules`` take ``one``'s paths to ``other``'s (the family's path rules
+    for Linen), which pair modules holding no parameters.
     """
-    first, second = profile(linen.runner, batch), profile(nnx_.runner, batch)
+    first, second = profile(one.runner, batch), profile(other.runner, batch)
     pairs = module_pairs(
-        linen.leaf_map().pairs(),
+        one.leaf_map().pairs(),
         rules,
         sorted({path for path, _ in first.boundary}),
         sorted({path for path, _ in second.boundary}),

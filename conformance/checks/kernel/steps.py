@@ -80,16 +80,14 @@ def train_pair(
 
 def train_steps(case: Case, start: Flat | None = None) -> tuple[Flat, list[tuple[StepResult, ...]]]:
     """:data:`STEPS` steps of both sides from the same parameters: ``(start, results)``."""
-    a, b = train_pair(case, start)
-    batch = case.batch()
+    (a, b), batch = train_pair(case, start), case.batch()
     return a.initial, [(a.advance(batch), b.advance(batch)) for _ in range(STEPS)]
 
 
 def rerun_note() -> str:
     """The last line of a report that two runs differ bit for bit: why, where they can.
 
-    Empty where the backend is deterministic (see
-    :func:`~conformance.core.environment.nondeterminism`).
+    Empty where the backend is deterministic (:func:`~conformance.core.environment.nondeterminism`).
     """
     note = nondeterminism()
     return f"\n  {note}" if note else ""
@@ -147,11 +145,11 @@ def step_disagreement(
     on both sides (:func:`~conformance.runtime.diagnose.attribution.noise_masked`) and
     an element within the second side's own spread
     (:func:`~conformance.core.numerics.compare_arrays`) pass. With ``partitioned_apart``
-    (:attr:`~conformance.runtime.live.Side.lays_out_itself`), noise-masked parameters never are.
+    (:attr:`~conformance.runtime.live.Side.lays_out_itself`) such parameters are never
+    compared, on the mesh or on one device.
     """
     pair = (step_tree(first), step_tree(second))
-    if partitioned_apart:
-        pair = (pair[0], noise_masked(*pair)[0])
+    pair = (pair[0], noise_masked(*pair)[0]) if partitioned_apart else pair
     mismatches = compare_trees(*pair, tolerance)
     if mismatches and spread is not None:
         pair = (pair[0], noise_masked(*pair)[0])
@@ -165,9 +163,12 @@ def step_disagreement(
         return None
     message = report(what, mismatches, names)
     if case is not None and reference is not None:
-        message += "\n  " + attributed(
-            case, names, pair, lambda: tuple(step_tree(r) for r in reference())
-        )
+
+        def one_device() -> tuple[Flat, Flat]:
+            a, b = (step_tree(r) for r in reference())
+            return (a, noise_masked(a, b)[0]) if partitioned_apart else (a, b)
+
+        message += "\n  " + attributed(case, names, pair, one_device)
     return message
 
 
@@ -270,23 +271,22 @@ def train_step_parity(case: Case, title: str, float_case: Case | None = None) ->
     def attribution(step: int) -> Callable[[], tuple[StepResult, ...]] | None:
         return None if failures else functools.partial(lambda i: reference()[i], step - 1)
 
-    first_side, second_side = live_pair(case)
-    names = (first_side.name, second_side.name)
+    sides = live_pair(case)
+    # Every step is measured, so a report shows how the error grows; the first failing
+    # step's report (with its one-device attribution) is the verdict.
     for step, (first, second) in enumerate(steps, start=1):
-        # Every step is measured, so a report shows how the error grows; the first
-        # failing step's report (with its one-device attribution) is the verdict.
         message = judged_disagreement(
             f"step {step} of {STEPS}{mode} on mesh {case.mesh.id}",
             first,
             second,
-            names,
+            (sides[0].name, sides[1].name),
             judge=judge(step - 1, (first, second)),
             tolerance=tolerance,
             case=case,
             reference=attribution(step),
             figure=f"{title}{mode}: error per leaf group and step, mesh {case.mesh.id}",
             series=f"step {step}",
-            partitioned_apart=first_side.lays_out_itself or second_side.lays_out_itself,
+            partitioned_apart=any(side.lays_out_itself for side in sides),
         )
         counter = int(second[0]["optimizer/step"])
         if message is None and counter != step:

@@ -31,7 +31,7 @@ from conformance.core.distributed import host_array, is_multiprocess
 from conformance.core.numerics import Mismatch, compare_arrays, strictest_tolerance
 from conformance.core.sharding import explicit_mode, moved_to
 from conformance.core.trees import Flat, PathMapError, map_paths
-from conformance.runtime.backends import LinenRunner, NnxRunner, Runner, mesh_of
+from conformance.runtime.backends import Runner, mesh_of
 from conformance.runtime.calls import ModuleCall
 
 CallKey = tuple[str, str, int]
@@ -296,8 +296,8 @@ def first_divergence(
         return Divergence((path, method, count), target, found, inputs_known, agreed, inside)
     if not compared:
         return (
-            f"no module call could be paired between the sides ({len(linen.calls)} Linen, "
-            f"{len(nnx_.calls)} NNX calls recorded); cannot localise"
+            "no module call could be paired between the sides "
+            f"({len(linen.calls)} and {len(nnx_.calls)} calls recorded); cannot localise"
         )
     return (
         f"every one of the {compared} paired module calls agrees: the divergence is "
@@ -306,15 +306,18 @@ def first_divergence(
 
 
 def localise(
-    linen: LinenRunner,
-    nnx_: NnxRunner,
-    linen_params: Flat,
-    nnx_params: Flat,
+    first: Runner,
+    second: Runner,
+    first_params: Flat,
+    second_params: Flat,
     batch: Batch,
     leaves: Sequence[tuple[str, str]],
     rules: PathRules,
 ) -> Divergence | str:
     """The first divergent module of a forward between the two sides, or why none was found.
+
+    ``first`` is Linen's runner or an NNX one; ``second`` NNX's, whose module paths are
+    canonical; ``leaves`` and ``rules`` take the first's paths to the second's.
 
     Never raises for a model it cannot record this way: the reason is the answer. In a
     multi-controller run it records nothing: the host callbacks fire on one process
@@ -327,8 +330,8 @@ def localise(
         )
     try:
         found = first_divergence(
-            record(linen, linen_params, batch),
-            record(nnx_, nnx_params, batch),
+            record(first, first_params, batch),
+            record(second, second_params, batch),
             leaves,
             rules,
         )

@@ -36,17 +36,18 @@ class GroupRow:
         """What an accepted change names to cover it: the group or a primitive in it."""
         return frozenset({self.group, *(op for _, _, op in self.linen | self.nnx)})
 
-    def describe(self) -> str:
-        """``NNX computes exp in float32, Linen exp in bfloat16``."""
+    def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
+        """``NNX computes exp in float32, Linen exp in bfloat16``, the sides by ``names``."""
+        first, second = names
         if self.group == ROUNDING:
-            sides = (("NNX", self.nnx), ("Linen", self.linen))
+            sides = ((second, self.nnx), (first, self.linen))
             said = [f"{side} rounds {_casts(ops)}" for side, ops in sides if ops]
             said += [f"{side} does not round there" for side, ops in sides if not ops]
             return ", ".join(said)
         nnx_, linen = _computes(self.nnx), _computes(self.linen)
         if nnx_ and linen:
-            return f"NNX computes {nnx_}, Linen {linen}"
-        one, other = ("NNX", "Linen") if nnx_ else ("Linen", "NNX")
+            return f"{second} computes {nnx_}, {first} {linen}"
+        one, other = (second, first) if nnx_ else (first, second)
         return f"{one} computes {nnx_ or linen}; {other} computes no {self.group} in those dtypes"
 
 
@@ -75,9 +76,10 @@ class BoundaryRow:
         """What an accepted change names to cover it: :attr:`what`."""
         return frozenset({self.what})
 
-    def describe(self) -> str:
-        """``NNX's __call__ returns float32, Linen's bfloat16``."""
-        return f"NNX's {self.what} {_dtypes(self.nnx)}, Linen's {_dtypes(self.linen)}"
+    def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
+        """``NNX's __call__ returns float32, Linen's bfloat16``, the sides by ``names``."""
+        first, second = names
+        return f"{second}'s {self.what} {_dtypes(self.nnx)}, {first}'s {_dtypes(self.linen)}"
 
 
 def _dtypes(found: frozenset[str]) -> str:
@@ -96,12 +98,12 @@ class PrecisionDifference:
     nnx_module: str
     rows: tuple[Row, ...]
 
-    def describe(self) -> str:
-        """One line: the module, then in words which side computes what in which dtype."""
+    def describe(self, names: tuple[str, str] = ("Linen", "NNX")) -> str:
+        """One line: the module, then which side (by ``names``) computes what in which dtype."""
         where = self.linen_module or "(the top module)"
         if self.nnx_module != self.linen_module:
-            where += f" (NNX {self.nnx_module or 'top module'})"
-        return f"{where}: " + "; ".join(row.describe() for row in self.rows)
+            where += f" ({names[1]} {self.nnx_module or 'top module'})"
+        return f"{where}: " + "; ".join(row.describe(names) for row in self.rows)
 
 
 def _group_rows(first: frozenset[Op], second: frozenset[Op]) -> dict[str, GroupRow]:
