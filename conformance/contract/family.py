@@ -183,9 +183,10 @@ class Family(abc.ABC):
         between the backends the ``precision`` check accepts (default: none; every
         difference fails it), ``TreeMode`` that the NNX model runs in flax's tree mode,
         with the rewrite it runs there if it holds shared references (undeclared, the
-        ``tree_mode`` check skips), and ``ExplicitSharding`` that it runs on jax's explicit
-        mesh axes, with the rewrite it runs there if any (undeclared, the
-        ``explicit_sharding`` check skips). Declaring an ability in both spellings is a load
+        ``tree_mode`` check and the ``graph-vs-tree`` tests of the checks on the ``pair``
+        axis skip), and ``ExplicitSharding`` that it runs on jax's explicit mesh axes,
+        with the rewrite it runs there if any (undeclared, the ``explicit_sharding`` check
+        and the ``auto-vs-explicit`` tests skip). Declaring an ability in both spellings is a load
         error. None by default.
         """
         return ()
