@@ -89,7 +89,7 @@ class Planned:
             "scan_layers": self.values.get("scan_layers"),
             "quant": self.values.get("quant"),
         }
-        modes = self.check.mode_pair or self.values.get("pair", Pair.LINEN_NNX) != Pair.LINEN_NNX
+        modes = self.check.mode_pair or self.pair != Pair.LINEN_NNX
         if modes and found["scan_layers"] is not None:
             found["mode_pair"] = True
         found["variant"] = self.check.variant
@@ -113,10 +113,14 @@ class Planned:
         return {**self.values, **{name: p.value for name, p in self.params.items()}}
 
     @property
+    def pair(self) -> Pair:
+        """The sides it compares: its ``pair`` axis value, else Linen against NNX."""
+        return self.values.get("pair", Pair.LINEN_NNX)
+
+    @property
     def row(self) -> str:
         """Its row of the agreement matrix: the check's name, then a mode pair's id."""
-        pair = self.values.get("pair", Pair.LINEN_NNX)
-        return f"{self.check.name} {pair.id}".rstrip()
+        return f"{self.check.name} {self.pair.id}".rstrip()
 
     @property
     def registered(self) -> bool:
@@ -272,7 +276,7 @@ def skip_reason(planned: Planned) -> str | None:
         reason += f" (it declares {declared})" if declared else ""
         return _because(family, reason, "quantization")
     backend = planned.params.get("backend")
-    pair = planned.values.get("pair", Pair.LINEN_NNX)
+    pair = planned.pair
     if not family.has_linen and (
         (check.pair and pair == Pair.LINEN_NNX)
         or (backend is not None and backend.value == Backend.LINEN)
