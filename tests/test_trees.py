@@ -56,7 +56,7 @@ def test_structure_diff_reports_missing_extra_and_changed_leaves():
     nnx = {"a": f32, "c": LeafSpec((8, 4), "float32"), "d": f32}
     problems = structure_diff(linen, nnx, {p: p for p in linen})
     assert problems == [
-        "b: Linen has it (as b, float32[4, 8]); NNX does not",
+        "b: Linen has it (float32[4, 8]); NNX does not",
         "c: Linen float32[4, 8] (as c) != NNX float32[8, 4]",
         "d: NNX has it (float32[4, 8]); Linen does not",
     ]
@@ -68,11 +68,11 @@ def test_structure_diff_says_what_the_other_side_holds_instead_of_a_parameter():
         {"norm/scale": f32},
         {"stats/mean": f32},
         {"norm/scale": "norm/scale"},
-        linen_held={"stats/mean": "collection 'batch_stats'"},
-        nnx_held={"norm/scale": "flax.nnx.variablelib.Variable"},
+        first_held={"stats/mean": "in collection 'batch_stats', not 'params'"},
+        second_held={"norm/scale": "as flax.nnx.variablelib.Variable, not nnx.Param"},
     )
     assert problems == [
-        "norm/scale: Linen has it (as norm/scale, float32[8]); NNX holds it as "
+        "norm/scale: Linen has it (float32[8]); NNX holds it as "
         "flax.nnx.variablelib.Variable, not nnx.Param: it will not be trained or "
         "checkpointed as a parameter",
         "stats/mean: NNX has it (float32[8]); Linen holds it in collection 'batch_stats', "

@@ -35,7 +35,7 @@ def _declares_bridges(family: Family) -> str | None:
 
 
 @declare(
-    (Axis.FAMILY, Axis.SIZE, Axis.SCAN_LAYERS),
+    (Axis.FAMILY, Axis.SIZE, Axis.SCAN_LAYERS, Axis.PAIR),
     where="none",
     devices=False,
     golden=True,
@@ -44,29 +44,34 @@ def _declares_bridges(family: Family) -> str | None:
 def check_structure(case: Case) -> dict[str, Any]:
     """Both sides have the same leaves, shapes and dtypes in canonical paths and layouts.
 
-    Without Linen, only NNX's payload is compared, with the golden.
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis): a
+    mode's rewrite must build what the other mode builds, but for the parameters its
+    family accepts (``TreeMode(accept=...)``). Without Linen, only NNX's payload is
+    compared, with the golden.
 
-    Returns the golden payload: leaf count, ``{nnx path: {shape, dtype}}``, and the
-    NNX model's RNG stream variables, which have no Linen counterpart and which train
-    states leave out (see :mod:`conformance.runtime.train_state`).
+    Returns the golden payload of the last side: leaf count, ``{path: {shape, dtype}}``,
+    and the NNX model's RNG stream variables, which have no Linen counterpart and which
+    train states leave out (see :mod:`conformance.runtime.train_state`). A mode pair has
+    no golden of its own: the two modes are compared with each other.
     """
-    *others, nnx_side = live_sides(case)
-    nnx_ = nnx_side.runner
+    *others, last = live_sides(case)
     for side in others:
-        linen, rules = side.runner, case.family.path_rules(case.bound)
         try:
-            linen_held = {map_paths(rules, [p])[p]: held for p, held in linen.held.items()}
+            rules = side.path_rules()
+            held = {map_paths(rules, [p])[p]: kind for p, kind in side.runner.held.items()}
         except PathMapError as err:
-            fail(f"what Linen holds beside its parameters: {err}")
-        held = (linen_held, nnx_.held)
-        problems = structure_problems((side, linen.specs), nnx_.specs, held)
-        counts = f"Linen {len(linen.specs)} leaves, NNX {len(nnx_.specs)} leaves"
+            fail(f"what {side.name} holds beside its parameters: {err}")
+        problems = structure_problems(
+            (side, side.runner.specs, held), (last, last.runner.specs, last.runner.held)
+        )
+        counts = ", ".join(f"{s.name} {len(s.runner.specs)} leaves" for s in (side, last))
         fail_if_any(f"{len(problems)} difference(s) ({counts})", problems)
+    specs = last.runner.specs
     return {
-        "leaf_count": len(nnx_.specs),
-        "parameter_count": int(sum(np.prod(s.shape) for s in nnx_.specs.values())),
-        "leaves": {p: {"shape": list(s.shape), "dtype": s.dtype} for p, s in nnx_.specs.items()},
-        "nnx_rng_streams": nnx_.rng_streams,
+        "leaf_count": len(specs),
+        "parameter_count": int(sum(np.prod(s.shape) for s in specs.values())),
+        "leaves": {p: {"shape": list(s.shape), "dtype": s.dtype} for p, s in specs.items()},
+        "nnx_rng_streams": last.runner.rng_streams,
     }
 
 
@@ -109,7 +114,7 @@ def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]
     return side, side.canonical(side.runner.logical), side.canonical(side.runner.specs)
 
 
-@declare(ON_MESH, golden=True, pair=False, suite="sharding")
+@declare((*ON_MESH, Axis.PAIR), golden=True, pair=False, suite="sharding")
 @declare(
     (Axis.FAMILY, Axis.FULL_SIZE, Axis.TOPOLOGY, Axis.SCAN_LAYERS),
     name="sharding_topology",
@@ -122,7 +127,9 @@ def _parameters(side: Side) -> tuple[Side, Mapping[str, Any], Mapping[str, Any]]
 def check_sharding(case: Case) -> dict[str, Any]:
     """Both sides resolve to the same PartitionSpec per leaf, and every split is even.
 
-    Without Linen, NNX is compared with itself (every split even) and with the golden.
+    The sides are Linen and NNX, or on a device mesh the NNX model in two modes (the
+    ``pair`` axis), which have no golden of their own. Without Linen, NNX is compared
+    with itself (every split even) and with the golden.
 
     On a device mesh, both sides are also initialised there and every array is checked
     to be placed with its resolved spec; on an abstract one (a production topology)
@@ -136,9 +143,9 @@ def check_sharding(case: Case) -> dict[str, Any]:
             "which every array placed on devices follows"
         )
     sides = live_sides(case)
-    nnx_ = sides[-1]
-    paired(sides[0], nnx_)
-    nnx_specs = agreed_specs(_parameters(sides[0]), _parameters(nnx_), rules=rules)[1]
+    last = sides[-1]
+    paired(sides[0], last)
+    specs = agreed_specs(_parameters(sides[0]), _parameters(last), rules=rules)[1]
     if case.devices is not None:
         for side in sides:
             _check_placement(side, side.case.specs(side.runner.logical, rules))
@@ -146,10 +153,10 @@ def check_sharding(case: Case) -> dict[str, Any]:
         "mesh": dict(case.mesh.axes),
         "leaves": {
             dst: {
-                "logical": list(nnx_.runner.logical[dst] or ()),
-                "spec": spec_to_json(nnx_specs[dst], len(nnx_.runner.specs[dst].shape)),
+                "logical": list(last.runner.logical[dst] or ()),
+                "spec": spec_to_json(specs[dst], len(last.runner.specs[dst].shape)),
             }
-            for dst in sorted(nnx_specs)
+            for dst in sorted(specs)
         },
     }
 

@@ -83,6 +83,11 @@ class Pair(enum.StrEnum):
         """Its part of test ids: ``""`` for :attr:`LINEN_NNX`, else its value."""
         return "" if self is Pair.LINEN_NNX else self.value
 
+    @property
+    def on_devices(self) -> bool:
+        """Whether its sides exist only on a device mesh (explicit axes are a mesh's)."""
+        return self is Pair.AUTO_EXPLICIT
+
 
 _PAIR_LABELS = {
     Pair.LINEN_NNX: "NNX vs Linen",

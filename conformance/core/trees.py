@@ -173,44 +173,42 @@ def specs(flat: Mapping[str, Any]) -> dict[str, LeafSpec]:
 
 
 def structure_diff(
-    linen: Mapping[str, LeafSpec],
-    nnx_: Mapping[str, LeafSpec],
+    first: Mapping[str, LeafSpec],
+    second: Mapping[str, LeafSpec],
     mapping: Mapping[str, str],
-    linen_held: Mapping[str, str] | None = None,
-    nnx_held: Mapping[str, str] | None = None,
+    first_held: Mapping[str, str] | None = None,
+    second_held: Mapping[str, str] | None = None,
+    names: tuple[str, str] = ("Linen", "NNX"),
 ) -> list[str]:
-    """Every disagreement between the two trees, one line each, keyed by the NNX path.
+    """Every disagreement between the two trees, one line each, keyed by the second's path.
 
     Lists leaves present on only one side and leaves whose shape or dtype differ; an
-    empty list means the trees agree leaf for leaf. ``linen_held`` and ``nnx_held`` say
-    what each side holds, outside its parameters, at an NNX path (a Linen collection, an
-    NNX Variable type): a parameter missing on one side is then reported as held there
-    as something that is not trained or checkpointed as a parameter.
+    empty list means the trees agree leaf for leaf. ``mapping`` takes the first tree's
+    paths to the second's. ``first_held`` and ``second_held`` say, at a second-tree path,
+    how each side holds a value outside its parameters, in words (``in collection
+    'batch_stats', not 'params'``): a parameter missing on one side is then reported as
+    held there as something that is not trained or checkpointed as a parameter.
+    ``names`` name the two sides.
     """
-    linen_held, nnx_held = linen_held or {}, nnx_held or {}
+    first_held, second_held = first_held or {}, second_held or {}
+    one, other = names
+    unlike = "it will not be trained or checkpointed as a parameter"
     problems = []
-    mapped = {mapping.get(path, path): (path, spec) for path, spec in linen.items()}
-    for nnx_path in sorted(set(mapped) | set(nnx_)):
-        if nnx_path not in nnx_:
-            src, spec = mapped[nnx_path]
-            other = (
-                f"NNX holds it as {nnx_held[nnx_path]}, not nnx.Param: it will not be "
-                "trained or checkpointed as a parameter"
-                if nnx_path in nnx_held
-                else "NNX does not"
-            )
-            problems.append(f"{nnx_path}: Linen has it (as {src}, {spec}); {other}")
-        elif nnx_path not in mapped:
-            other = (
-                f"Linen holds it in {linen_held[nnx_path]}, not 'params': it will not be "
-                "trained or checkpointed as a parameter"
-                if nnx_path in linen_held
-                else "Linen does not"
-            )
-            problems.append(f"{nnx_path}: NNX has it ({nnx_[nnx_path]}); {other}")
-        elif mapped[nnx_path][1] != nnx_[nnx_path]:
-            src, spec = mapped[nnx_path]
-            problems.append(f"{nnx_path}: Linen {spec} (as {src}) != NNX {nnx_[nnx_path]}")
+    mapped = {mapping.get(path, path): (path, spec) for path, spec in first.items()}
+    for path in sorted(set(mapped) | set(second)):
+        if path not in second:
+            src, spec = mapped[path]
+            held = second_held.get(path)
+            instead = f"{other} holds it {held}: {unlike}" if held else f"{other} does not"
+            source = "" if src == path else f"as {src}, "
+            problems.append(f"{path}: {one} has it ({source}{spec}); {instead}")
+        elif path not in mapped:
+            held = first_held.get(path)
+            instead = f"{one} holds it {held}: {unlike}" if held else f"{one} does not"
+            problems.append(f"{path}: {other} has it ({second[path]}); {instead}")
+        elif mapped[path][1] != second[path]:
+            src, spec = mapped[path]
+            problems.append(f"{path}: {one} {spec} (as {src}) != {other} {second[path]}")
     return problems
 
 

@@ -123,6 +123,14 @@ class Planned:
         return f"{self.check.name} {self.pair.id}".rstrip()
 
     @property
+    def has_golden(self) -> bool:
+        """Whether it compares with a golden: its check has one, and it compares Linen with NNX.
+
+        A mode pair compares the two modes with each other.
+        """
+        return self.check.golden and self.pair is Pair.LINEN_NNX
+
+    @property
     def registered(self) -> bool:
         """Whether it is a registered check of the suite, not a user's own test."""
         return self.check.run is not None
@@ -145,7 +153,7 @@ class Planned:
         a family with a :class:`~conformance.contract.Release` keeps its goldens in a
         folder of that release, ``<goldens>/<family>/<release>/<check>/...``.
         """
-        if not self.check.golden:
+        if not self.has_golden:
             return None
         case = self.id.removeprefix(f"{self.family.name}-")
         folder = self.root(run) / self.family.name
@@ -187,8 +195,12 @@ class Planned:
         return Group(self.family.name, bool(scan), mesh.id)
 
 
-def _axis_values(name: str, family: Family, run: Settings, method: str | None) -> list[Any]:
-    """``(id, value)`` of each value of axis ``name`` for ``family``."""
+def _axis_values(name: str, family: Family, run: Settings, check: Check) -> list[Any]:
+    """``(id, value)`` of each value of axis ``name`` for ``check`` on ``family``.
+
+    A check that places nothing on devices has no pair whose sides need them
+    (:attr:`~conformance.contract.Pair.on_devices`).
+    """
     match name:
         case "family":
             return [(family.name, family)]
@@ -212,12 +224,12 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
             backends = recorded_backends(family)
             return [(f"recorded-{b}", b) for b in backends] or [("recorded-none", None)]
         case "pair":
-            return [(pair.id, pair) for pair in Pair]
+            return [(p.id, p) for p in Pair if check.devices or not p.on_devices]
         case "quant":
             modes = [
                 m
                 for m in sorted(quantization_modes(family))
-                if method is None or MODES[m].method == method
+                if check.quant_method is None or MODES[m].method == check.quant_method
             ]
             return [(m, m) for m in modes] or [("none", None)]
         case _:
@@ -226,7 +238,7 @@ def _axis_values(name: str, family: Family, run: Settings, method: str | None) -
 
 def plan(check: Check, family: Family, run: Settings) -> list[Planned]:
     """Every test of ``check`` on ``family``: the product of its axes and parameters."""
-    axes = [_axis_values(name, family, run, check.quant_method) for name in check.axes]
+    axes = [_axis_values(name, family, run, check) for name in check.axes]
     params = [[(name, p) for p in values] for name, values in check.params]
     planned = []
     for combo in itertools.product(*axes, *params):
@@ -313,7 +325,7 @@ def marks(planned: Planned) -> list[pytest.MarkDecorator]:
     The skip says :func:`skip_reason`; without one, a test expected to fail
     (:meth:`Planned.expected`) is a strict xfail.
     """
-    found = [pytest.mark.golden] if planned.check.golden else []
+    found = [pytest.mark.golden] if planned.has_golden else []
     if planned.check.variant:
         found.append(pytest.mark.variant)
     if (reason := skip_reason(planned)) is not None:

@@ -281,7 +281,7 @@ def conformance_case(request: pytest.FixtureRequest) -> Bound:
     if check.references:
         params["recorded"] = planned.values["recorded"]
         params["references"] = references_root(planned.root(run))
-    golden = request.getfixturevalue("golden") if check.golden else None
+    golden = request.getfixturevalue("golden") if planned.has_golden else None
     return Bound(check, case, params, golden)
 
 

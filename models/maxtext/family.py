@@ -379,7 +379,7 @@ _TREE_MODE_SHARED_RNGS = (
 )
 
 
-_ON_THE_TREE_PAIR = ("init", "forward", "train_step", "decode")
+_ON_THE_TREE_PAIR = ("structure", "sharding", "init", "forward", "train_step", "decode")
 """The checks that also compare graph with tree mode, on the ``graph-vs-tree`` pair."""
 
 

@@ -365,7 +365,14 @@ VARIANTS: tuple[Variant, ...] = (
         "mode; its tree-mode rewrite ties them by calling the embedding's attend",
         (),
         TiedByAttendInTreeMode(),
-        checks=(("tree_mode", None), ("init", None), ("forward", None), ("train_step", None)),
+        checks=(
+            ("tree_mode", None),
+            ("structure", None),
+            ("sharding", None),
+            ("init", None),
+            ("forward", None),
+            ("train_step", None),
+        ),
         pair=Pair.GRAPH_TREE,
     ),
     Variant(
@@ -376,6 +383,7 @@ VARIANTS: tuple[Variant, ...] = (
         EmbedByOneHotWhenExplicit(),
         checks=(
             ("explicit_sharding", None),
+            ("sharding", None),
             ("init", None),
             ("forward", None),
             ("train_step", None),

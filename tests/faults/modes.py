@@ -246,6 +246,48 @@ class EmbeddingInitScaleWhenExplicit(Gpt3Family):
         return with_features(super().features(), rewrite)
 
 
+def _wi_replicated(family, config, rngs):
+    """gpt3's NNX model whose MLP input kernels carry no logical axis names: replicated.
+
+    The rewrite built them without ``nnx.with_partitioning``, as a hand-written layer may.
+    """
+    model = Gpt3Family.nnx_module(family, config, rngs)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, gpt3_nnx.Mlp):
+            node.wi.kernel = nnx.Param(node.wi.kernel[...])
+    return model
+
+
+class KernelReplicatedInTreeMode(Gpt3Family):
+    """The tree-mode rewrite loses the MLP input kernel's sharding: replicated everywhere."""
+
+    def features(self):
+        rewrite = TreeMode(lambda config, rngs: _wi_replicated(self, config, rngs))
+        return with_features(super().features(), rewrite)
+
+
+class KernelReplicatedWhenExplicit(Gpt3Family):
+    """The explicit-axes rewrite loses the MLP input kernel's sharding."""
+
+    def features(self):
+        rewrite = ExplicitSharding(lambda config, rngs: _wi_replicated(self, config, rngs))
+        return with_features(super().features(), rewrite)
+
+
+class OutBiasDroppedWhenExplicit(Gpt3Family):
+    """The explicit-axes rewrite builds the MLP output projection without its bias."""
+
+    def features(self):
+        return with_features(super().features(), ExplicitSharding(self.unbiased))
+
+    def unbiased(self, config, rngs):
+        model = Gpt3Family.nnx_module(self, config, rngs)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, gpt3_nnx.Mlp):
+                node.wo.bias = nnx.data(None)
+        return model
+
+
 def _lookup_by_take(self, ids):
     """Embed's lookup as written for auto axes only: jax cannot lay the rows out alone."""
     return jnp.take(self.embedding[...].astype(self.dtype), ids, axis=0)
@@ -340,11 +382,33 @@ FAULTS = (
     ),
     Fault(
         UntiedInTreeMode(),
-        "tree_mode",
+        "structure",
         (
-            "NNX tree mode builds the model differently from NNX graph mode",
-            "unembed/embedding: parameter float32[256, 64] in tree mode only",
+            "1 difference(s) (NNX graph mode 28 leaves, NNX tree mode 29 leaves)",
+            "unembed/embedding: NNX tree mode has it (float32[256, 64]); NNX graph mode does not",
         ),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        KernelReplicatedInTreeMode(),
+        "sharding",
+        ("layers/0/mlp/wi/kernel: NNX graph mode P(", "!= NNX tree mode P() (logical None)"),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        KernelReplicatedWhenExplicit(),
+        "sharding",
+        (
+            "layers/0/mlp/wi/kernel: NNX auto sharding P(",
+            "!= NNX explicit sharding P() (logical None)",
+        ),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
+    Fault(
+        OutBiasDroppedWhenExplicit(),
+        "sharding",
+        ("NNX auto sharding", "layers/0/mlp/wo/bias", "NNX explicit sharding"),
+        pair=Pair.AUTO_EXPLICIT,
     ),
     Fault(
         UntiedAndAcceptedInTreeMode(),

@@ -14,7 +14,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from conformance.contract import LogicalRules
+from conformance.contract import Backend, LogicalRules
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_trees
 from conformance.core.records import failed
@@ -29,33 +29,56 @@ def paired(first: Side, second: Side) -> None:
 
     Each of ``first``'s parameters (or each slice of one a leaf transform splits) must
     land on exactly one of ``second``'s canonical parameters, and every one of those must
-    be reached.
+    be reached. Between sides whose paths need no rules (two modes of NNX), a failure
+    lists the parameters one side has and the other lacks, as ``structure`` does.
     """
     try:
         first.leaf_map().check_covers(
             second.canonical(second.runner.specs), first.runner.specs, (first.name, second.name)
         )
     except PathMapError as err:
+        if not first.path_rules():
+            fail_if_any(
+                f"{first.name} and {second.name} hold different parameters",
+                structure_problems(
+                    (first, first.runner.specs, first.runner.held),
+                    (second, second.runner.specs, second.runner.held),
+                ),
+            )
         fail(str(err))
 
 
-def structure_problems(
-    first: tuple[Side, Mapping[str, LeafSpec]],
-    second: Mapping[str, LeafSpec],
-    held: tuple[Mapping[str, str], Mapping[str, str]] = ({}, {}),
-) -> list[str]:
-    """Every leaf of ``first``'s tree and ``second``'s (canonical) that differs, one line each.
+HELD_INSTEAD = {Backend.LINEN: "in {}, not 'params'", Backend.NNX: "as {}, not nnx.Param"}
+"""How a side of each backend holds a value outside its parameters, in words."""
 
-    ``first`` is a side with its tree in its own paths; its leaves move to canonical paths
-    and layouts first, and are named by their own paths. ``held`` says what each side
-    holds outside this tree, at canonical paths (see
-    :func:`~conformance.core.trees.structure_diff`).
+
+def structure_problems(
+    first: tuple[Side, Mapping[str, LeafSpec], Mapping[str, str]],
+    second: tuple[Side, Mapping[str, LeafSpec], Mapping[str, str]],
+) -> list[str]:
+    """Every leaf of the two sides' trees that differs, one line each, by canonical path.
+
+    Each side is given as ``(side, leaves, held)``: its tree in its own paths, and what
+    it holds outside that tree (a Linen collection, an NNX Variable type) at canonical
+    paths (see :func:`~conformance.core.trees.structure_diff`). ``first``'s leaves move
+    to canonical paths and layouts first, and are named by their own paths.
     """
-    side, specs = first
+    (side, specs, held), (other, other_specs, other_held) = first, second
     origins = side.leaf_map().origins()
     moved = {origins.get(p, p): spec for p, spec in side.canonical(specs).items()}
     mapping = {origin: path for path, origin in origins.items()}
-    return structure_diff(moved, second, mapping, *held)
+
+    def worded(by: Side, kinds: Mapping[str, str]) -> dict[str, str]:
+        return {path: HELD_INSTEAD[by.backend].format(kind) for path, kind in kinds.items()}
+
+    return structure_diff(
+        moved,
+        other.canonical(other_specs),
+        mapping,
+        worded(side, held),
+        worded(other, other_held),
+        (side.name, other.name),
+    )
 
 
 def shared_params(first: Side, second: Side, start: Flat | None = None) -> tuple[Flat, Flat]:
