@@ -57,7 +57,7 @@ def test_structure_diff_reports_missing_extra_and_changed_leaves():
     problems = structure_diff(linen, nnx, {p: p for p in linen})
     assert problems == [
         "b: Linen has it (float32[4, 8]); NNX does not",
-        "c: Linen float32[4, 8] (as c) != NNX float32[8, 4]",
+        "c: Linen float32[4, 8] != NNX float32[8, 4]",
         "d: NNX has it (float32[4, 8]); Linen does not",
     ]
 

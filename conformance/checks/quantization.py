@@ -81,7 +81,7 @@ def check_quant_params(case: Case) -> dict[str, Any]:
     quant, mode = case.quant, MODES[case.quant]
     linen, nnx_ = quantized_pair(case)
     a, b = linen.runner, nnx_.runner
-    problems = structure_problems((linen, a.specs), b.specs)
+    problems = structure_problems((linen, a.specs, {}), (nnx_, b.specs, {}))
     counts = f"Linen {len(a.specs)} leaves, NNX {len(b.specs)} leaves"
     fail_if_any(f"{quant}: {len(problems)} difference(s) ({counts})", problems)
     if mode.method == "ptq":

@@ -245,7 +245,10 @@ def check_hygiene(case: Case) -> None:
         name, trainer = training.side.name, training.trainer
         out, _ = jax.eval_shape(trainer.step, trainer.abstract_state, batch)
         problems = structure_diff(
-            specs(flat_state(trainer.abstract_state)), specs(flat_state(out)), {}
+            specs(flat_state(trainer.abstract_state)),
+            specs(flat_state(out)),
+            {},
+            names=("its input", "its output"),
         )
         if isinstance(out, nnx.State):
             problems += _nnx_transients(out, persistent_types(case.family))
@@ -253,7 +256,7 @@ def check_hygiene(case: Case) -> None:
         n_shard = len(jax.tree.leaves(training.shardings))
         if n_state != n_shard:
             problems.append(f"state has {n_state} leaves but its sharding tree has {n_shard}")
-        title = f"{name} train step does not return its input state (left: input, right: output)"
+        title = f"{name} train step does not return its input state"
         fail_if_any(title, problems)
         try:
             with jax.checking_leaks():

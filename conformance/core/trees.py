@@ -208,7 +208,8 @@ def structure_diff(
             problems.append(f"{path}: {other} has it ({second[path]}); {instead}")
         elif mapped[path][1] != second[path]:
             src, spec = mapped[path]
-            problems.append(f"{path}: {one} {spec} (as {src}) != {other} {second[path]}")
+            source = "" if src == path else f" (as {src})"
+            problems.append(f"{path}: {one} {spec}{source} != {other} {second[path]}")
     return problems
 
 

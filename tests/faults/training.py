@@ -205,7 +205,7 @@ FAULTS = (
         "hygiene",
         (
             "NNX train step",
-            "model/hidden_states: NNX has it",
+            "model/hidden_states: its output has it",
             "model/hidden_states: flax.nnx.variablelib.Intermediate (a sown intermediate) "
             "is not persistent state",
         ),
