@@ -33,7 +33,7 @@ from conformance.contract import (
 )
 from conformance.core.failure import CheckFailure
 from conformance.core.roots import Goldens
-from conformance.core.sharding import parse_mesh
+from conformance.core.sharding import explicit, parse_mesh
 from conformance.families import (
     Aqt,
     AuxLosses,
@@ -519,6 +519,45 @@ def test_maxtext_configs_leave_the_persistent_compilation_cache_as_it_was(monkey
         maxtext_config._initialize.cache_clear()
         jax.config.update("jax_compilation_cache_dir", before)
     assert after == before
+
+
+MAXTEXT_AXES = ["data", "stage", "fsdp", "fsdp_transpose", "sequence", "tensor", "expert"]
+"""MaxText mesh axes, as a fake ``pyconfig`` answers them (base.yml names more)."""
+
+
+@pytest.fixture
+def fake_pyconfig(monkeypatch):
+    """A stand-in for maxtext 0.2.5's ``pyconfig``: keys in, the same keys out."""
+
+    def initialize(argv, **keys):
+        return SimpleNamespace(**{"mesh_axes": MAXTEXT_AXES, **keys})
+
+    pyconfig = types.ModuleType("maxtext.configs.pyconfig")
+    pyconfig.initialize = initialize
+    monkeypatch.setitem(sys.modules, "maxtext", types.ModuleType("maxtext"))
+    monkeypatch.setitem(sys.modules, "maxtext.configs", types.ModuleType("maxtext.configs"))
+    monkeypatch.setitem(sys.modules, "maxtext.configs.pyconfig", pyconfig)
+    maxtext_config._initialize.cache_clear()
+    yield
+    maxtext_config._initialize.cache_clear()
+
+
+def test_maxtext_runs_on_explicit_axes_in_its_shard_mode_explicit(fake_pyconfig):
+    """On auto axes MaxText's mesh holds every MaxText axis, in auto mode; on explicit axes
+    it is the harness's mesh itself, and MaxText's ``shard_mode`` and ``mesh_axes`` follow."""
+    family = families.get("maxtext-llama2")
+    config = maxtext_config.MaxTextConfig.create("llama2-7b", {}, scan_layers=False)
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2").devices()
+    on_auto = family.with_mesh(config, mesh)
+    assert on_auto.mesh.axis_names == tuple(MAXTEXT_AXES)
+    assert not hasattr(maxtext_config.hyperparameters(on_auto, "nnx"), "shard_mode")
+    explicit_mesh = explicit(mesh)
+    on_explicit = family.with_mesh(config, explicit_mesh)
+    assert on_explicit.mesh is explicit_mesh
+    keys = maxtext_config.hyperparameters(on_explicit, "nnx")
+    assert keys.shard_mode == "explicit"
+    assert keys.mesh_axes == ["data", "fsdp", "tensor"]
+    assert keys.ici_tensor_parallelism == 2
 
 
 def test_both_editions_give_the_same_feature_configs():

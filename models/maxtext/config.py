@@ -114,7 +114,10 @@ def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
     """MaxText's ``HyperParameters`` for ``config`` on ``backend``.
 
     With a mesh, MaxText's ``ici_<axis>_parallelism`` keys are its axis sizes: MaxText's
-    layers read them (the MoE layer's expert and tensor splits), not only the mesh. A
+    layers read them (the MoE layer's expert and tensor splits), not only the mesh. On a
+    mesh whose axes are all explicit, MaxText's ``shard_mode`` is ``explicit`` and its
+    ``mesh_axes`` are that mesh's (see :meth:`MaxTextFamily.with_mesh
+    <conformance_models.maxtext.family.MaxTextFamily.with_mesh>`). A
     mesh of more devices than this host has (a TPU slice compiled ahead of time) sets
     ``internal_compile_num_devices``, as MaxText's ``train_compile`` does: MaxText then
     counts the slice's devices, not the host's, so its batch and KV caches hold one row
@@ -128,9 +131,16 @@ def hyperparameters(config: MaxTextConfig, backend: str) -> Any:
             f"ici_{_ICI_NAMES.get(axis, axis)}_parallelism": n
             for axis, n in config.mesh.shape.items()
         }
+        if all_explicit(config.mesh):
+            keys |= {"shard_mode": "explicit", "mesh_axes": list(config.mesh.axis_names)}
         if config.mesh.size > jax.device_count():
             keys |= {"internal_compile": True, "internal_compile_num_devices": config.mesh.size}
     return _initialize(tuple(sorted((k, _frozen(v)) for k, v in keys.items())))
+
+
+def all_explicit(mesh: jax.sharding.Mesh) -> bool:
+    """Whether every axis of ``mesh`` is explicit (jax's ``AxisType.Explicit``)."""
+    return all(kind == jax.sharding.AxisType.Explicit for kind in mesh.axis_types)
 
 
 @functools.cache

@@ -34,6 +34,7 @@ from conformance.families import (
     Decode,
     Divergence,
     Dropout,
+    ExplicitSharding,
     Family,
     FamilyError,
     Feature,
@@ -54,7 +55,7 @@ from conformance.families import (
 from conformance_models import GOLDENS
 from conformance_models.data import make_batch
 from conformance_models.maxtext import releases
-from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, hyperparameters
+from conformance_models.maxtext.config import SEQ_LEN, MaxTextConfig, all_explicit, hyperparameters
 
 
 def _installed() -> str | None:
@@ -82,6 +83,10 @@ class MaxTextFamily(Family):
     divergences: ClassVar[Mapping[str, tuple[Divergence, ...]]] = MappingProxyType({})
     """Known divergences by maxtext release (what :attr:`known_divergences` gives)."""
 
+    explicit_axes: ClassVar[bool] = True
+    """Whether MaxText runs the model on explicit mesh axes (``shard_mode: explicit``),
+    declared from 0.2.5, whose config lists the decoders it supports there."""
+
     def features(self) -> Sequence[Feature]:
         """Prefill decoding, remat and dropout, AQT, FP8, vocab tiling and every Qwix mode.
 
@@ -90,12 +95,15 @@ class MaxTextFamily(Family):
         Linen side is one ``ToLinen`` around the whole NNX model (:class:`Bridges`), while
         0.2.4's Linen bridges 3 to 5 of its layers, by model and layout: not declared.
         From 0.2.5 the MoE routing bias is persistent state (:class:`PersistentState`).
-        Its NNX model is held to itself in tree mode (:class:`TreeMode`).
+        Its NNX model is held to itself in tree mode (:class:`TreeMode`) and, from 0.2.5
+        where MaxText supports the model there (:attr:`explicit_axes`), on explicit axes
+        with MaxText's ``shard_mode: explicit`` (:class:`ExplicitSharding`).
         """
         installed = _installed()
         per_release = () if installed is None else (Release(installed),)
         bridged = (Bridges(linen=1, nnx=0),) if releases.bridged() else ()
         persistent = (PersistentState(self.persistent_types),) if releases.bridged() else ()
+        on_explicit = (ExplicitSharding(),) if releases.bridged() and self.explicit_axes else ()
         return (
             # MaxText's default is scanned layers (smoke runs those), stacked on axis 1
             # (its param_scan_axis); the routing bias, persistent state, on axis 0.
@@ -114,6 +122,7 @@ class MaxTextFamily(Family):
             # version map.
             Recorded((Backend.LINEN, Backend.NNX), self.upgrade_reference),
             TreeMode(),
+            *on_explicit,
         )
 
     def unavailable(self) -> str | None:
@@ -204,7 +213,10 @@ class MaxTextFamily(Family):
 
         MaxText names its mesh axes itself (``mesh_axes``: data, stage, fsdp, tensor, ...);
         the module mesh holds ``mesh``'s devices in the same arrangement, each of its
-        axes at its size and every other MaxText axis at size 1.
+        axes at its size and every other MaxText axis at size 1. On explicit axes
+        (MaxText's ``shard_mode: explicit``), MaxText's shardings must name the mesh set
+        in context: the module mesh is ``mesh`` itself, and MaxText's ``mesh_axes`` are
+        its axes.
         """
         names = tuple(hyperparameters(config, "linen").mesh_axes)
         foreign = [name for name in mesh.axis_names if name not in names]
@@ -212,6 +224,8 @@ class MaxTextFamily(Family):
             raise FamilyError(
                 f"{self.name}: mesh axes {foreign} are not MaxText mesh axes ({', '.join(names)})"
             )
+        if all_explicit(mesh):
+            return dataclasses.replace(config, mesh=mesh)
         order = sorted(range(len(mesh.axis_names)), key=lambda i: names.index(mesh.axis_names[i]))
         shape = tuple(mesh.shape.get(name, 1) for name in names)
         devices = np.transpose(mesh.devices, order).reshape(shape)
@@ -412,6 +426,64 @@ _TREE_MODE_DECODER = _shared_rngs(
 )
 
 
+_ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode")
+"""The checks that run programs on explicit axes, on the ``auto-vs-explicit`` pair."""
+
+
+def _on_explicit_axes(
+    reason: str, checks: tuple[str, ...] = _ON_THE_EXPLICIT_PAIR, **narrowed: Any
+) -> tuple[Divergence, ...]:
+    """``reason`` for each of ``checks`` on the ``auto-vs-explicit`` pair, as ``narrowed``.
+
+    The ``explicit_sharding`` check, which runs on no pair, is narrowed without one.
+    """
+    on_pair = {**narrowed, "pair": "auto-vs-explicit"}
+    return tuple(
+        Divergence(check, reason, narrowed if check == "explicit_sharding" else on_pair)
+        for check in checks
+    )
+
+
+_EXPLICIT_SCAN = _on_explicit_axes(
+    "on explicit axes (shard_mode: explicit) maxtext 0.2.5's scanned layers do not trace: "
+    "the layer scan (layers/nnx_decoders.py, _apply_layers_sequentially) raises TypeError "
+    "'scan body function carry input and carry output must have equal types': a layer "
+    "returns the residual stream without the layout it was given (8@(data,fsdp) x 16 x "
+    "64@tensor in, whole out). Unrolled layers trace",
+    ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR),
+    **_SCAN,
+)
+_LAYOUTS_UNRESOLVED = (
+    "a harness limit, not a MaxText finding: on auto axes MaxText's activation "
+    "constraints resolve to nothing in the harness (they read flax's logical_axis_rules "
+    "context, which the harness does not enter), so the compiler lays the embedding out "
+    "whole and splits the query projection over tensor; on explicit axes MaxText's "
+    "out_shardings lay them out as its rules say (the embedding "
+    "P(('data', 'fsdp'), None, 'tensor'), the query projection whole)"
+)
+_EXPLICIT_LAYOUTS = _on_explicit_axes(_LAYOUTS_UNRESOLVED, ("explicit_sharding",), **_LOOP)
+_EXPLICIT_KV_CACHE = _on_explicit_axes(
+    "on explicit axes maxtext 0.2.5's autoregressive KV-cache update "
+    "(inference/kvcache.py, update_ar_key_value) raises ShardingTypeError: "
+    "dynamic_update_slice of the cache, its heads split over tensor "
+    "(float32[8,2@tensor,8,16]), by a whole update (float32[1,2,8,16]). On fsdp8, where "
+    "nothing splits the heads, decoding on explicit axes agrees with auto axes",
+    ("decode",),
+    **_LOOP,
+    **_MESH3,
+)
+_EXPLICIT_NORM = _on_explicit_axes(
+    "on explicit axes deepseek3's RMSNorm (layers/normalizations.py:129, called by "
+    "pre_attention_norm_op in models/deepseek.py) raises ShardingTypeError: its einsum "
+    "'...k,k->...k' takes the activations split over tensor on k and the scale whole "
+    "('dot_general requires lhs batch dimensions and rhs batch dimensions to have the same "
+    "sharding, got ('tensor',) and (None,)'). On fsdp8 deepseek3 agrees with auto axes. "
+    "Not yet localised between MaxText's norm and the scale's placement",
+    **_LOOP,
+    **_MESH3,
+)
+
+
 def _releases(
     found: tuple[Divergence, ...],
     only: Mapping[str, tuple[Divergence, ...]] = MappingProxyType({}),
@@ -458,6 +530,14 @@ class MaxTextGpt3(MaxTextFamily):
     model_name = "gpt3-52k"
     sizes = ("tiny", "gpt3-175b")
     overrides = MappingProxyType({})
+    explicit_axes = False
+    unsupported = MappingProxyType(
+        {
+            "explicit_sharding": "maxtext 0.2.5 refuses shard_mode: explicit for its gpt3 "
+            "decoder (configs/types.py: \"Decoder 'gpt3' is not supported with 'explicit' "
+            'sharding"), so there is no explicit side to compare'
+        }
+    )
     divergences = _releases(
         (
             Divergence("grad_accumulation", _BF16_ATTEND),
@@ -536,7 +616,8 @@ class MaxTextLlama2(MaxTextFamily):
                     "near zero, and Adam scales that rounding noise up to a step",
                     _SCAN,
                 ),
-            )
+            ),
+            "0.2.5": (*_EXPLICIT_SCAN, *_EXPLICIT_LAYOUTS, *_EXPLICIT_KV_CACHE),
         },
         _TREE_MODE_DECODER,
     )
@@ -611,6 +692,15 @@ class MaxTextDeepseek3(MaxTextFamily):
                     "4 micro-batches against the whole batch: "
                     + _PARTITIONED.format(gap=0.11, leaf="self_attention/wkv_a/kernel"),
                     _MESH3,
+                ),
+                *_EXPLICIT_NORM,
+                *_EXPLICIT_SCAN,
+                *_on_explicit_axes(
+                    "on data=2,fsdp=2,tensor=2 the explicit side raises first, at "
+                    "deepseek3's RMSNorm (as forward does on the auto-vs-explicit pair); on "
+                    "fsdp8 the layouts differ: " + _LAYOUTS_UNRESOLVED,
+                    ("explicit_sharding",),
+                    **_LOOP,
                 ),
             ),
         },
@@ -717,6 +807,18 @@ class MaxTextGemma2(MaxTextFamily):
                     + _BF16_ROUNDED
                     + ", and 0.2.5 reorders the sum by a rounding step",
                     {"recorded": "linen"},
+                ),
+                *_EXPLICIT_SCAN,
+                *_EXPLICIT_LAYOUTS,
+                *_EXPLICIT_KV_CACHE,
+                *_on_explicit_axes(
+                    "a partitioning problem of the auto side, not of explicit axes: "
+                    + _PARTITIONED.format(gap=0.12, leaf="self_attention_local/query/kernel")
+                    + ". The attribution agrees: on auto axes the step differs from itself "
+                    "on one device, on explicit axes it does not, and the two agree there",
+                    ("train_step",),
+                    **_LOOP,
+                    **_MESH3,
                 ),
             ),
         },
