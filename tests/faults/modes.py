@@ -199,6 +199,20 @@ class _CacheIndexKept(nnx_layers.KVCache):
         return attended
 
 
+def _rewritten_in(mode, build):
+    """``features`` of a gpt3 whose NNX model in ``mode`` is ``build(family, config, rngs)``.
+
+    ``mode`` is :class:`~conformance.contract.TreeMode` or
+    :class:`~conformance.contract.ExplicitSharding`.
+    """
+
+    def features(self):
+        rewrite = mode(lambda config, rngs: build(self, config, rngs))
+        return with_features(Gpt3Family.features(self), rewrite)
+
+    return features
+
+
 def _with_index_kept(family, config, rngs):
     model = Gpt3Family.nnx_module(family, config, rngs)
     for _, node in nnx.iter_graph(model):
@@ -210,17 +224,13 @@ def _with_index_kept(family, config, rngs):
 class CacheIndexKeptInTreeMode(Gpt3Family):
     """gpt3's tree-mode rewrite stops advancing the KV cache's index: decoding overwrites."""
 
-    def features(self):
-        rewrite = TreeMode(lambda config, rngs: _with_index_kept(self, config, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(TreeMode, _with_index_kept)
 
 
 class CacheIndexKeptWhenExplicit(Gpt3Family):
     """gpt3's rewrite for explicit axes stops advancing the KV cache's index."""
 
-    def features(self):
-        rewrite = ExplicitSharding(lambda config, rngs: _with_index_kept(self, config, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(ExplicitSharding, _with_index_kept)
 
 
 def _embedding_at_ten_times(family, config, rngs):
@@ -233,17 +243,13 @@ def _embedding_at_ten_times(family, config, rngs):
 class EmbeddingInitScaleInTreeMode(Gpt3Family):
     """gpt3's tree-mode rewrite initialises the token embedding at ten times the scale."""
 
-    def features(self):
-        rewrite = TreeMode(lambda config, rngs: _embedding_at_ten_times(self, config, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(TreeMode, _embedding_at_ten_times)
 
 
 class EmbeddingInitScaleWhenExplicit(Gpt3Family):
     """gpt3's rewrite for explicit axes initialises the token embedding at ten times the scale."""
 
-    def features(self):
-        rewrite = ExplicitSharding(lambda c, rngs: _embedding_at_ten_times(self, c, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(ExplicitSharding, _embedding_at_ten_times)
 
 
 def _wi_replicated(family, config, rngs):
@@ -261,17 +267,13 @@ def _wi_replicated(family, config, rngs):
 class KernelReplicatedInTreeMode(Gpt3Family):
     """The tree-mode rewrite loses the MLP input kernel's sharding: replicated everywhere."""
 
-    def features(self):
-        rewrite = TreeMode(lambda config, rngs: _wi_replicated(self, config, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(TreeMode, _wi_replicated)
 
 
 class KernelReplicatedWhenExplicit(Gpt3Family):
     """The explicit-axes rewrite loses the MLP input kernel's sharding."""
 
-    def features(self):
-        rewrite = ExplicitSharding(lambda config, rngs: _wi_replicated(self, config, rngs))
-        return with_features(super().features(), rewrite)
+    features = _rewritten_in(ExplicitSharding, _wi_replicated)
 
 
 class OutBiasDroppedWhenExplicit(Gpt3Family):
