@@ -477,8 +477,11 @@ _EXPLICIT_NORM = _on_explicit_axes(
     "pre_attention_norm_op in models/deepseek.py) raises ShardingTypeError: its einsum "
     "'...k,k->...k' takes the activations split over tensor on k and the scale whole "
     "('dot_general requires lhs batch dimensions and rhs batch dimensions to have the same "
-    "sharding, got ('tensor',) and (None,)'). On fsdp8 deepseek3 agrees with auto axes. "
-    "Not yet localised between MaxText's norm and the scale's placement",
+    "sharding, got ('tensor',) and (None,)'). models/deepseek.py builds its RMSNorms "
+    "without shard_mode (llama2.py passes config.shard_mode), so they skip aligning the "
+    "scale with the normalised axis; with it passed, the dense MoE's wo einsum "
+    "(layers/moe.py, dense_matmul) raises next: contracting dimensions split over tensor "
+    "on both operands, no out_sharding. On fsdp8 deepseek3 agrees with auto axes",
     **_LOOP,
     **_MESH3,
 )
