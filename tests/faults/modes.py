@@ -329,7 +329,10 @@ FAULTS = (
     Fault(
         UntiedInTreeMode(),
         "forward",
-        ("between the NNX graph mode and NNX tree mode trees", "unembed/embedding"),
+        (
+            "NNX graph mode and NNX tree mode hold different parameters",
+            "unembed/embedding: NNX tree mode has it",
+        ),
         pair=Pair.GRAPH_TREE,
     ),
     Fault(
