@@ -252,10 +252,12 @@ def test_a_failing_train_step_measures_every_step(primary_mesh):
     assert {m.x for m in failing} >= {"loss"}, "the loss moves when the rotary base does"
 
 
-def _costed(check: str, case: str, program: str, linen: dict, nnx_: dict) -> dict:
+def _costed(
+    check: str, case: str, program: str, linen: dict, nnx_: dict, keys=("linen", "nnx")
+) -> dict:
     """A report of one passed test of ``check`` whose program cost ``linen`` and ``nnx_``."""
     record = RecordedTest(f"t::test_{check}[fam-{case}]", "fam", check, case)
-    record.costs = [costs_json(Costs(program, {"linen": linen, "nnx": nnx_}))]
+    record.costs = [costs_json(Costs(program, dict(zip(keys, (linen, nnx_), strict=True))))]
     return {"runs": [], "summary": {"passed": 1}, "tests": [record.to_json()]}
 
 
@@ -263,9 +265,20 @@ def test_the_cost_table_shows_nnx_against_linen():
     linen = Cost(100.0, 1000.0, 400, 40, 200, 0, {"all-gather": (2, 64)}).table()
     report = _costed("cost", "loop", "train_step", linen, {**linen, "temp_bytes": 230})
     markdown = render.markdown(report)
-    assert "## Compiled cost (NNX, and its ratio to Linen)" in markdown
+    assert "## Compiled cost (NNX, or the second mode of a mode pair, and its ratio" in markdown
     assert "| fam | loop | train_step | 100 (1.000x) | 1,000 (1.000x) | 400 (1.000x) | " in markdown
     assert "230 (1.150x) | same: all-gather x2 |" in markdown
+
+
+def test_the_cost_table_shows_a_mode_against_the_mode_it_is_compared_with():
+    graph = Cost(100.0, 1000.0, 400, 40, 200, 0, {"all-gather": (2, 64)}).table()
+    tree = {**graph, "flops": 110.0, "collectives": {"all-reduce": {"count": 1, "bytes": 8}}}
+    report = _costed(
+        "cost", "loop-graph-vs-tree", "forward", graph, tree, ("nnx-graph", "nnx-tree")
+    )
+    markdown = render.markdown(report)
+    assert "| fam | loop-graph-vs-tree | forward | 110 (1.100x) | " in markdown
+    assert "| nnx-tree: all-reduce x1 |" in markdown
 
 
 def test_the_tpu_memory_table_shows_each_side_per_device_against_the_chip():

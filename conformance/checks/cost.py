@@ -1,5 +1,8 @@
 """Compiled-cost parity: NNX's programs cost no more than Linen's, and run the same collectives.
 
+The same holds between two modes of NNX (the ``pair`` axis): tree mode costs no more
+than graph mode, explicit axes no more than auto ones.
+
 For the forward, the train step and (for a family that decodes) one decode call on the
 case's mesh, and, for a family with remat, the rematerialised train step, as production
 trains, each side's compiled program is read back: the harness hands the live
@@ -24,6 +27,7 @@ from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.generation import step_batch
+from conformance.runtime.sides import live_pair
 from conformance.runtime.stepping import Training
 
 
@@ -40,7 +44,7 @@ def _decode_step(training: Training) -> Cost:
 
 
 def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
-    """``{program: (Linen's cost, NNX's cost)}`` on ``case``'s mesh."""
+    """``{program: (the first side's cost, the second's)}`` on ``case``'s mesh."""
     found = {}
     variants = {"": case}
     if (remat := declared(case.family, Remat)) is not None:
@@ -61,7 +65,7 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
 
 
 @declare(
-    (Axis.FAMILY, Axis.SCAN_LAYERS),
+    (Axis.FAMILY, Axis.SCAN_LAYERS, Axis.PAIR),
     where="primary",
     golden=True,
     golden_by_platform=True,
@@ -69,26 +73,29 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
 def check_cost(case: Case) -> dict[str, Any]:
     """NNX's forward, train and decode steps cost at most ``BUDGET`` of Linen's, alike.
 
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis),
+    which have no golden of their own: the second costs at most ``BUDGET`` of the first.
     Compared per program: flops, bytes accessed, argument, output and temporary memory
-    (NNX may cost less; the scanned rematerialised step's memory within
+    (the second side may cost less; the scanned rematerialised step's memory within
     ``SCANNED_REMAT_TEMP``), and every collective kind's count (equal) and bytes
     (:func:`~conformance.core.cost.over_budget`).
     Aliased bytes are kept in the golden, not compared: the harness donates no input.
-    Each program's costs go to the report's cost table; returned as the golden (kept
-    per platform, XLA level and mesh), so a change of cost between runs or releases
-    shows as a golden diff.
+    Each program's costs go to the report's cost table, keyed by side; returned as the
+    golden (kept per platform, XLA level and mesh), so a change of cost between runs or
+    releases shows as a golden diff.
     """
+    first, second = live_pair(case)
+    names = (first.name, second.name)
     programs = _programs(case)
     tables = {
-        name: {"linen": linen.table(), "nnx": nnx_.table()}
-        for name, (linen, nnx_) in programs.items()
+        name: {first.key: a.table(), second.key: b.table()} for name, (a, b) in programs.items()
     }
     for name, sides in tables.items():
         emit(Costs(name, sides))
     problems = [
         line
         for name, pair in programs.items()
-        for line in over_budget(name, *pair, scanned=case.scan_layers)
+        for line in over_budget(name, *pair, scanned=case.scan_layers, names=names)
     ]
-    fail_if_any(f"NNX costs more than Linen on mesh {case.mesh.id}", problems)
+    fail_if_any(f"{second.name} costs more than {first.name} on mesh {case.mesh.id}", problems)
     return {"mesh": case.mesh.id, "programs": tables}

@@ -14,8 +14,8 @@ auto axes can fail there, or be rewritten to lay its activations out differently
 same devices with explicit axes to the same activation layouts.
 
 What each builds (``structure``, ``sharding``), their initial values, forward, train
-steps and decoding are compared by those checks on the ``graph-vs-tree`` and
-``auto-vs-explicit`` pairs (:class:`~conformance.contract.Pair`).
+steps, decoding and compiled costs are compared by those checks on the
+``graph-vs-tree`` and ``auto-vs-explicit`` pairs (:class:`~conformance.contract.Pair`).
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def check_tree_mode(case: Case, workdir: Path) -> None:
     holds on purpose where graph mode held none (``TreeMode(accept=...)``) must be
     parameters of tree mode only, each of the shape of the graph-mode parameter it starts
     as; the checkpoints, whose trees then differ, are not exchanged. What the two modes
-    build, their initial values, forward, train steps and decoding are compared by those
-    checks on the ``graph-vs-tree`` pair (``structure``, ``sharding``, ``init``, ...).
+    build, their initial values, forward, train steps, decoding and costs are compared by
+    those checks on the ``graph-vs-tree`` pair (``structure``, ``sharding``, ``init``, ...).
     """
     graph, tree = NnxGraphSide(case), NnxTreeSide.of(case)
     rewritten = required(case.family, TreeMode).nnx_module is not None
@@ -190,9 +190,9 @@ def check_explicit_sharding(case: Case) -> None:
     the case's mesh made explicit and set in context (``jax.set_mesh``). Their compiled
     forwards lay the values of every module call both make alike. An exception raised on
     explicit axes alone (jax refusing an ambiguous sharding) is reported as the explicit
-    side's. What the two build, their initial values, forward, train steps and decoding
-    are compared by those checks on the ``auto-vs-explicit`` pair (``structure``,
-    ``sharding``, ``init``, ...).
+    side's. What the two build, their initial values, forward, train steps, decoding and
+    costs are compared by those checks on the ``auto-vs-explicit`` pair (``sharding``,
+    ``init``, ...).
     """
     auto, explicit = NnxSide(case), NnxExplicitSide.of(case)  # auto: activation_sharding's table
     table = FORWARD.table(auto, BATCH_SIZE)

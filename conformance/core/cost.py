@@ -20,8 +20,9 @@ BUDGET = {
     "output_bytes": 1.10,
     "temp_bytes": 1.10,
 }
-"""How much more than Linen NNX may cost, per measure (NNX costing less always passes);
-a collective kind's bytes are held to ``bytes_accessed``'s."""
+"""How much more than Linen NNX may cost, per measure (NNX costing less always passes),
+and a mode of NNX than the mode it is compared with; a collective kind's bytes are held
+to ``bytes_accessed``'s."""
 
 SCANNED_REMAT_TEMP = 1.50
 """The temporary-memory budget of the rematerialised train step in the scanned layout.
@@ -117,9 +118,17 @@ def cost_of(compiled: Any) -> Cost:
     )
 
 
-def over_budget(program: str, linen: Cost, nnx: Cost, *, scanned: bool) -> list[str]:
-    """Each way NNX's ``program`` costs more than Linen's beyond :data:`BUDGET`, in words.
+def over_budget(
+    program: str,
+    first: Cost,
+    second: Cost,
+    *,
+    scanned: bool,
+    names: tuple[str, str] = ("Linen", "NNX"),
+) -> list[str]:
+    """Each way ``second``'s ``program`` costs more than ``first``'s beyond :data:`BUDGET`.
 
+    In words, each side called by its name in ``names`` (NNX against Linen by default).
     Memory and flops per measure; per collective kind, the count (equal, unless the
     difference moves at most :data:`COLLECTIVE_FLOOR` bytes) and the bytes. ``scanned``
     gives a rematerialised program (its name ends in ``(remat)``) the temporary-memory
@@ -129,21 +138,22 @@ def over_budget(program: str, linen: Cost, nnx: Cost, *, scanned: bool) -> list[
     budgets = dict(BUDGET)
     if scanned and program.endswith("(remat)"):
         budgets["temp_bytes"] = SCANNED_REMAT_TEMP
+    name_a, name_b = names
     for measure, budget in budgets.items():
-        a, b = getattr(linen, measure), getattr(nnx, measure)
+        a, b = getattr(first, measure), getattr(second, measure)
         if b > a * budget:
             ratio = f" ({b / a:.3f} x)" if a else ""
             problems.append(
-                f"{program}: {measure} NNX {b:,.0f} > {budget:g} x Linen {a:,.0f}{ratio}"
+                f"{program}: {measure} {name_b} {b:,.0f} > {budget:g} x {name_a} {a:,.0f}{ratio}"
             )
-    for kind in sorted(linen.collectives.keys() | nnx.collectives.keys()):
+    for kind in sorted(first.collectives.keys() | second.collectives.keys()):
         (count_a, bytes_a), (count_b, bytes_b) = (
-            side.collectives.get(kind, (0, 0)) for side in (linen, nnx)
+            side.collectives.get(kind, (0, 0)) for side in (first, second)
         )
         recounted = count_a != count_b and abs(bytes_b - bytes_a) > COLLECTIVE_FLOOR
         if recounted or bytes_b > bytes_a * BUDGET["bytes_accessed"] + COLLECTIVE_FLOOR:
             problems.append(
-                f"{program}: {kind} Linen {count_a} op(s) of {bytes_a:,} bytes, "
-                f"NNX {count_b} op(s) of {bytes_b:,} bytes"
+                f"{program}: {kind} {name_a} {count_a} op(s) of {bytes_a:,} bytes, "
+                f"{name_b} {count_b} op(s) of {bytes_b:,} bytes"
             )
     return problems

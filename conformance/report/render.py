@@ -98,6 +98,7 @@ def _time_rows(report: Json) -> list[list[str]]:
     ]
 
 
+_COSTS = "Compiled cost (NNX, or the second mode of a mode pair, and its ratio to the first side)"
 _LAYOUTS = "Activation shardings (NNX's compiled layouts, Linen's where they differ)"
 
 
@@ -124,7 +125,7 @@ def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:
     if headroom(report):
         lines += ["", "## Headroom of agreeing comparisons", "", *table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
-        lines += ["", "## Compiled cost (NNX, and its ratio to Linen)", "", *table(costs)]
+        lines += ["", f"## {_COSTS}", "", *table(costs)]
     if len(memory := memory_rows(report)) > 1:
         lines += ["", "## Memory per device, compiled for TPU", "", *table(memory)]
     if len(layouts := layout_rows(report, calls=False)) > 1:
@@ -198,7 +199,7 @@ def page(report: Json, images: Mapping[str, list[tuple[str, bytes]]]) -> str:
     if headroom(report):
         parts += ["<h2>Headroom of agreeing comparisons</h2>", _html_table(_headroom_rows(report))]
     if len(costs := cost_rows(report)) > 1:
-        parts += ["<h2>Compiled cost (NNX, and its ratio to Linen)</h2>", _html_table(costs)]
+        parts += [f"<h2>{_COSTS}</h2>", _html_table(costs)]
     if len(memory := memory_rows(report)) > 1:
         parts += ["<h2>Memory per device, compiled for TPU</h2>", _html_table(memory)]
     if len(layouts := layout_rows(report, calls=True)) > 1:

@@ -13,28 +13,30 @@ from typing import Any
 from conformance.report.model import suite_tests
 
 COST_MEASURES = ("flops", "bytes_accessed", "argument_bytes", "temp_bytes")
-"""The measures a report's cost table shows per program, as NNX / Linen."""
+"""The measures a report's cost table shows per program, as the second side's / the first's."""
 
 
 def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
-    """The cost table: per family, case and program, NNX's measures over Linen's.
+    """The cost table: per family, case and program, the second side's measures over the first's.
 
-    Each cell is ``NNX value (ratio)``; the collectives column says whether both sides
-    run the same collectives (kind, count and bytes), else what NNX runs.
+    The sides are a cost's two, in order: Linen then NNX, or the mode compared then
+    the other (the case names the pair). Each cell is ``second's value (ratio)``; the
+    collectives column says whether both sides run the same collectives (kind, count
+    and bytes), else what the second runs, headed by its key (``nnx``, ``nnx-tree``).
     """
     rows = [["family", "case", "program", *COST_MEASURES, "collectives"]]
     for t in suite_tests(report):
         for cost in t.get("costs", []):
-            linen, nnx_ = cost["sides"].get("linen"), cost["sides"].get("nnx")
-            if linen is None or nnx_ is None:
+            if len(cost["sides"]) != 2:
                 continue
+            (_, first), (key, second) = cost["sides"].items()
             cells = []
             for measure in COST_MEASURES:
-                a, b = linen[measure], nnx_[measure]
+                a, b = first[measure], second[measure]
                 cells.append(f"{b:,.0f} ({b / a:.3f}x)" if a else f"{b:,.0f}")
-            same = linen["collectives"] == nnx_["collectives"]
-            kinds = ", ".join(f"{k} x{v['count']}" for k, v in nnx_["collectives"].items())
-            collectives = ("same: " if same else "NNX: ") + (kinds or "none")
+            same = first["collectives"] == second["collectives"]
+            kinds = ", ".join(f"{k} x{v['count']}" for k, v in second["collectives"].items())
+            collectives = ("same: " if same else f"{key}: ") + (kinds or "none")
             rows.append([t["family"], t["case"] or "", cost["program"], *cells, collectives])
     return rows
 

@@ -55,6 +55,9 @@ class Side(abc.ABC):
     """How reports name the side (``Linen``, ``NNX``)."""
     backend: ClassVar[Backend]
     """The backend's id in checkpoints and test ids (``linen``, ``nnx``)."""
+    key: ClassVar[str]
+    """The side's own id in goldens and report tables (``linen``, ``nnx``, ``nnx-tree``):
+    two modes of NNX share a backend, not a key."""
     lays_out_itself: ClassVar[bool] = False
     """Whether its programs lay values out as its own code says (jax's explicit axes),
     not as the compiler chooses: compared with a side that does not, its sums run in
@@ -173,6 +176,7 @@ class LinenSide(Side):
 
     name: ClassVar[str] = "Linen"
     backend: ClassVar[Backend] = Backend.LINEN
+    key: ClassVar[str] = "linen"
     parts: ClassVar[dict[type, str]] = {
         LinenRunner: "model",
         LinenTrainer: "trainer",
@@ -229,6 +233,7 @@ class NnxSide(Side):
 
     name: ClassVar[str] = "NNX"
     backend: ClassVar[Backend] = Backend.NNX
+    key: ClassVar[str] = "nnx"
     parts: ClassVar[dict[type, str]] = {
         NnxRunner: "model",
         NnxTrainer: "trainer",

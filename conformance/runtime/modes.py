@@ -234,6 +234,7 @@ class NnxGraphSide(NnxSide):
     """The NNX model in graph mode, flax's default: what tree mode is compared with."""
 
     name: ClassVar[str] = "NNX graph mode"
+    key: ClassVar[str] = "nnx-graph"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +250,7 @@ class NnxTreeSide(ModeSide):
     """
 
     name: ClassVar[str] = "NNX tree mode"
+    key: ClassVar[str] = "nnx-tree"
 
     def canonical(self, flat: Flat) -> Flat:
         """``flat`` without the accepted parameters' leaves (:func:`accepted`)."""
@@ -300,6 +302,7 @@ class NnxAutoSide(NnxSide):
     """The NNX model on auto mesh axes, jax's default: what explicit axes are compared with."""
 
     name: ClassVar[str] = "NNX auto sharding"
+    key: ClassVar[str] = "nnx-auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +315,7 @@ class NnxExplicitSide(ModeSide):
     """
 
     name: ClassVar[str] = "NNX explicit sharding"
+    key: ClassVar[str] = "nnx-explicit"
     lays_out_itself: ClassVar[bool] = True
 
     @classmethod

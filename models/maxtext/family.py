@@ -393,7 +393,7 @@ _TREE_MODE_SHARED_RNGS = (
 )
 
 
-_ON_THE_TREE_PAIR = ("structure", "sharding", "init", "forward", "train_step", "decode")
+_ON_THE_TREE_PAIR = ("structure", "sharding", "init", "forward", "train_step", "decode", "cost")
 """The checks that also compare graph with tree mode, on the ``graph-vs-tree`` pair."""
 
 
@@ -426,7 +426,7 @@ _TREE_MODE_DECODER = _shared_rngs(
 )
 
 
-_ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode")
+_ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode", "cost")
 """The checks that run programs on explicit axes, on the ``auto-vs-explicit`` pair."""
 
 
@@ -435,13 +435,15 @@ def _on_explicit_axes(
 ) -> tuple[Divergence, ...]:
     """``reason`` for each of ``checks`` on the ``auto-vs-explicit`` pair, as ``narrowed``.
 
-    The ``explicit_sharding`` check, which runs on no pair, is narrowed without one.
+    The ``explicit_sharding`` check, which runs on no pair, is narrowed without one;
+    ``cost``, which runs on the primary mesh alone, without a mesh.
     """
     on_pair = {**narrowed, "pair": "auto-vs-explicit"}
-    return tuple(
-        Divergence(check, reason, narrowed if check == "explicit_sharding" else on_pair)
-        for check in checks
-    )
+    where = {
+        "explicit_sharding": narrowed,
+        "cost": {name: value for name, value in on_pair.items() if name != "mesh"},
+    }
+    return tuple(Divergence(check, reason, where.get(check, on_pair)) for check in checks)
 
 
 _EXPLICIT_SCAN = _on_explicit_axes(
@@ -468,7 +470,7 @@ _EXPLICIT_KV_CACHE = _on_explicit_axes(
     "dynamic_update_slice of the cache, its heads split over tensor "
     "(float32[8,2@tensor,8,16]), by a whole update (float32[1,2,8,16]). On fsdp8, where "
     "nothing splits the heads, decoding on explicit axes agrees with auto axes",
-    ("decode",),
+    ("decode", "cost"),
     **_LOOP,
     **_MESH3,
 )

@@ -372,6 +372,7 @@ VARIANTS: tuple[Variant, ...] = (
             ("init", None),
             ("forward", None),
             ("train_step", None),
+            ("cost", None),
         ),
         pair=Pair.GRAPH_TREE,
     ),

@@ -11,6 +11,8 @@ axis (the numbers agree), and a model written for auto axes alone.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -276,6 +278,17 @@ class KernelReplicatedWhenExplicit(Gpt3Family):
     features = _rewritten_in(ExplicitSharding, _wi_replicated)
 
 
+def _without_remat(family, config, rngs):
+    """gpt3's NNX model built as if ``remat`` were off: the same numbers, activations kept."""
+    return Gpt3Family.nnx_module(family, dataclasses.replace(config, remat=False), rngs)
+
+
+class RematDroppedInTreeMode(Gpt3Family):
+    """The tree-mode rewrite ignores ``remat``: every block's activations kept for backward."""
+
+    features = _rewritten_in(TreeMode, _without_remat)
+
+
 class OutBiasDroppedWhenExplicit(Gpt3Family):
     """The explicit-axes rewrite builds the MLP output projection without its bias."""
 
@@ -413,6 +426,25 @@ FAULTS = (
         OutBiasDroppedWhenExplicit(),
         "sharding",
         ("NNX auto sharding", "layers/0/mlp/wo/bias", "NNX explicit sharding"),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
+    Fault(
+        RematDroppedInTreeMode(),
+        "cost",
+        (
+            "NNX tree mode costs more than NNX graph mode on mesh",
+            "train_step (remat): temp_bytes NNX tree mode",
+        ),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        KernelReplicatedWhenExplicit(),
+        "cost",
+        (
+            "NNX explicit sharding costs more than NNX auto sharding on mesh",
+            "train_step: argument_bytes NNX explicit sharding",
+        ),
+        mesh_axes=("fsdp",),
         pair=Pair.AUTO_EXPLICIT,
     ),
     Fault(
