@@ -12,6 +12,8 @@ that runs. By what it compares:
 * :mod:`~conformance.checks.kernel.layouts`: the parameter map, specs, placements,
   orbax round trips;
 * :mod:`~conformance.checks.kernel.steps`: train steps;
+* :mod:`~conformance.checks.kernel.parity`: train-step parity, and whether steps beyond
+  the tolerance policy differ by rounding only;
 * :mod:`~conformance.checks.kernel.checkpoints`: a train state restored strictly;
 * :mod:`~conformance.checks.kernel.recorded`: a live side against a recorded reference;
 * :mod:`~conformance.checks.kernel.variants`: a train step with a variant that must not
@@ -55,6 +57,13 @@ from conformance.checks.kernel.logits import (
     quantized_forwards,
     within_spread,
 )
+from conformance.checks.kernel.parity import (
+    rounding_step,
+    spread_verdict,
+    step_rounding,
+    train_step_parity,
+    twin_verdict,
+)
 from conformance.checks.kernel.precision import precision_differences
 from conformance.checks.kernel.recorded import (
     against_title,
@@ -74,16 +83,11 @@ from conformance.checks.kernel.steps import (
     judged_disagreement,
     leaf_group,
     rerun_note,
-    rounding_step,
-    spread_verdict,
     step_disagreement,
-    step_rounding,
     step_tree,
     steps_agree,
     train_pair,
-    train_step_parity,
     train_steps,
-    twin_verdict,
 )
 from conformance.checks.kernel.variants import variant_parity
 

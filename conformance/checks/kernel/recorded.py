@@ -17,7 +17,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from conformance.checks.kernel.steps import judged_disagreement, step_rounding
+from conformance.checks.kernel.parity import step_rounding
+from conformance.checks.kernel.steps import judged_disagreement
 from conformance.contract import persistent_types
 from conformance.core.failure import fail, fail_if_any
 from conformance.core.numerics import tolerance_for

@@ -14,7 +14,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from conformance.checks.kernel.steps import steps_agree, train_pair, twin_verdict
+from conformance.checks.kernel.parity import twin_verdict
+from conformance.checks.kernel.steps import steps_agree, train_pair
 from conformance.core.numerics import tolerance_for
 from conformance.core.rounding import RoundingVerdict
 from conformance.core.trees import Flat
@@ -60,7 +61,7 @@ def variant_parity(case: Case, names: tuple[str, str], variant: Mapping[str, Any
     whether each result agrees with the same step on one device. In a lower compute
     dtype (bfloat16) every leaf is held to that dtype's tolerance, and a pair beyond it
     passes when it differs by rounding
-    (:func:`~conformance.checks.kernel.steps.twin_verdict`: the same pair in float32 compute
+    (:func:`~conformance.checks.kernel.parity.twin_verdict`: the same pair in float32 compute
     agrees, and each leaf is within twice the first step's own distance from its
     float32 twin).
     """
