@@ -246,38 +246,52 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
             fail(failed(title, mismatches, ("straight", "resumed")) + rerun_note())
 
 
-@declare((Axis.FAMILY, Axis.DTYPE), where="primary", workdir=True, suite="train_step")
+@declare((Axis.FAMILY, Axis.DTYPE, Axis.PAIR), where="primary", workdir=True, suite="train_step")
 def check_resume_conversion(case: Case, workdir: Path) -> None:
     """Linen's steps, saved, converted to NNX and continued there, equal Linen's straight.
 
-    Linen takes :data:`RESUME_STEPS` steps and saves its state; the checkpoint is
-    restored, converted to NNX (:func:`~conformance.runtime.checkpoints.convert`) and
-    placed into a fresh NNX train state (every leaf, no more), which takes as many more
-    steps. Each of those equals the same step of Linen run straight, within the
-    tolerance policy: the migration's own path from a Linen run to an NNX one. In
-    bfloat16 compute (float32 parameters and optimizer state) a step beyond the policy
-    passes when the same path in float32 compute agrees and every leaf beyond it is
-    within rounding of Linen's (:func:`~conformance.checks.kernel.twin_verdict`).
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis: graph
+    mode's checkpoint resumed in tree mode, auto axes' on explicit ones). The first side
+    takes :data:`RESUME_STEPS` steps and saves its state; the checkpoint is restored,
+    converted to the second side's backend
+    (:func:`~conformance.runtime.checkpoints.convert`) and placed into a fresh train
+    state of the second side (every leaf, no more), which takes as many more steps. Each
+    of those equals the same step of the first side run straight, within the tolerance
+    policy: the migration's own path from a Linen run to an NNX one. In bfloat16 compute
+    (float32 parameters and optimizer state) a step beyond the policy passes when the
+    same path in float32 compute agrees and every leaf beyond it is within rounding of
+    the first side's (:func:`~conformance.checks.kernel.twin_verdict`).
     """
-    steps = _converted_run(case, Path(workdir) / "linen")
+    first, second = live_pair(case)
+    steps = _converted_run(case, Path(workdir) / first.key)
     twins = None
     if case.dtype != jnp.float32:
-        f32 = Path(workdir) / "linen-float32"
+        f32 = Path(workdir) / f"{first.key}-float32"
         twins = functools.cache(lambda: _converted_run(case.in_dtype(jnp.float32), f32))
     tolerance = None if twins is None else tolerance_for(case.dtype)
     total = 2 * RESUME_STEPS
-    names = ("Linen straight", "NNX resumed")
+    names = (f"{first.name} straight", f"{second.name} resumed")
+    apart = any(side.lays_out_itself for side in (first, second))
     mode = "" if twins is None else f" ({jnp.dtype(case.dtype).name} compute)"
     for index, (want, got) in enumerate(steps):
         step = RESUME_STEPS + 1 + index
         title = (
-            f"step {step} of {total}{mode} on mesh {case.mesh.id}: NNX resumed from Linen's "
-            f"checkpoint of step {RESUME_STEPS}, against Linen run straight"
+            f"step {step} of {total}{mode} on mesh {case.mesh.id}: {second.name} resumed from "
+            f"{first.name}'s checkpoint of step {RESUME_STEPS}, against {first.name} run "
+            "straight"
         )
         judge = None
         if twins is not None:
-            judge = functools.partial(_judged, (want, got), twins, index, tolerance)
-        message = judged_disagreement(title, want, got, names, judge=judge, tolerance=tolerance)
+            judge = functools.partial(_judged, (want, got), twins, index, tolerance, apart)
+        message = judged_disagreement(
+            title,
+            want,
+            got,
+            names,
+            judge=judge,
+            tolerance=tolerance,
+            partitioned_apart=apart,
+        )
         if message is not None:
             fail(message)
 
@@ -287,36 +301,48 @@ def _judged(
     twins: Callable[[], list[tuple[StepResult, StepResult]]],
     index: int,
     tolerance: Tolerance,
+    partitioned_apart: bool,
 ) -> RoundingVerdict:
     """:func:`~conformance.checks.kernel.twin_verdict` of step ``index`` after the save."""
-    return twin_verdict(steps, twins()[index], tolerance)
+    return twin_verdict(steps, twins()[index], tolerance, partitioned_apart=partitioned_apart)
 
 
 def _converted_run(case: Case, directory: Path) -> list[tuple[StepResult, StepResult]]:
-    """Each step after the save: Linen's run straight and NNX's resumed from Linen's save."""
-    linen, nnx_ = live_pair(case)
+    """Each step after the save: the first side's run straight, and the second's resumed.
+
+    The second side (NNX, in a mode or not) resumes from the first's save, converted to
+    NNX's paths; leaves it holds on purpose where the first holds none (a tree-mode
+    rewrite's accepted parameters, with their moments) start as their sources
+    (:meth:`~conformance.runtime.sides.Side.own`).
+    """
+    first, second = live_pair(case)
     batch, family = case.batch(), case.family
-    straight = Training.start(linen)
+    straight = Training.start(first)
     expected = [straight.advance(batch) for _ in range(2 * RESUME_STEPS)][RESUME_STEPS:]
-    first = Training.start(linen, straight.initial)
+    before = Training.start(first, straight.initial)
     for _ in range(RESUME_STEPS):
-        first.advance(batch)
-    saved = flat_state(first.state)
-    info = CheckpointInfo(family.name, case.size, linen.backend, case.scan_layers)
+        before.advance(batch)
+    saved = flat_state(before.state)
+    info = CheckpointInfo(family.name, case.size, first.backend, case.scan_layers)
     save(directory, saved, info)
     try:
         loaded = restore(directory, specs(saved))
-        converted, _ = convert(loaded, family, info, nnx_.backend, case.scan_layers)
+        converted, _ = convert(loaded, family, info, second.backend, case.scan_layers)
     except CheckpointError as err:
         fail(str(err))
-    resumed = Training.start(nnx_, nnx_.own(linen.canonical(straight.initial)))
+    converted = second.own(converted)  # converted to NNX's paths, the canonical ones
+    resumed = Training.start(second, second.own(first.canonical(straight.initial)))
     layout = specs(flat_state(resumed.state))
     problems = [
-        f"{p}: converted, but not in NNX's state" for p in sorted(set(converted) - set(layout))
+        f"{p}: converted, but not in {second.name}'s state"
+        for p in sorted(set(converted) - set(layout))
     ]
     problems += [
-        f"{p}: in NNX's state, not converted" for p in sorted(set(layout) - set(converted))
+        f"{p}: in {second.name}'s state, not converted"
+        for p in sorted(set(layout) - set(converted))
     ]
-    fail_if_any(f"Linen's checkpoint of step {RESUME_STEPS} does not fit NNX", problems)
+    fail_if_any(
+        f"{first.name}'s checkpoint of step {RESUME_STEPS} does not fit {second.name}", problems
+    )
     resumed.state = jax.device_put(resumed.trainer.tree(converted), resumed.shardings)
     return [(want, resumed.advance(batch)) for want in expected]

@@ -396,6 +396,10 @@ _TREE_MODE_SHARED_RNGS = (
 _ON_THE_TREE_PAIR = ("structure", "sharding", "init", "forward", "train_step", "decode", "cost")
 """The checks that also compare graph with tree mode, on the ``graph-vs-tree`` pair."""
 
+_IN_THE_PREFERRED_LAYOUT = ("resume_conversion",)
+"""The checks on a pair that run in the family's preferred layer layout alone (MaxText's:
+scanned layers), on the primary mesh: a finding narrowed by layout or mesh is not theirs."""
+
 
 def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> tuple[Divergence, ...]:
     """Tree mode fails: ``where`` keeps the nnx.Rngs it hands ``to``, which keeps it too.
@@ -404,9 +408,11 @@ def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> tuple[Di
     """
     reason = _TREE_MODE_SHARED_RNGS.format(release=release, where=where, to=to)
     on_pair = {**narrowed, "pair": "graph-vs-tree"}
+    everywhere = () if narrowed else _IN_THE_PREFERRED_LAYOUT
     return (
         Divergence("tree_mode", reason, narrowed),
         *(Divergence(check, reason, on_pair) for check in _ON_THE_TREE_PAIR),
+        *(Divergence(check, reason, {"pair": "graph-vs-tree"}) for check in everywhere),
     )
 
 
@@ -446,14 +452,23 @@ def _on_explicit_axes(
     return tuple(Divergence(check, reason, where.get(check, on_pair)) for check in checks)
 
 
-_EXPLICIT_SCAN = _on_explicit_axes(
+def _resumed_on_explicit_axes(reason: str) -> tuple[Divergence, ...]:
+    """``reason`` for the checks run in the preferred (scanned) layout alone, explicitly."""
+    return tuple(
+        Divergence(check, reason, {"pair": "auto-vs-explicit"})
+        for check in _IN_THE_PREFERRED_LAYOUT
+    )
+
+
+_SCAN_UNTRACED = (
     "on explicit axes (shard_mode: explicit) maxtext 0.2.5's scanned layers do not trace: "
     "the layer scan (layers/nnx_decoders.py, _apply_layers_sequentially) raises TypeError "
     "'scan body function carry input and carry output must have equal types': a layer "
     "returns the residual stream without the layout it was given (8@(data,fsdp) x 16 x "
-    "64@tensor in, whole out). Unrolled layers trace",
-    ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR),
-    **_SCAN,
+    "64@tensor in, whole out). Unrolled layers trace"
+)
+_EXPLICIT_SCAN = _on_explicit_axes(
+    _SCAN_UNTRACED, ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR), **_SCAN
 )
 _LAYOUTS_UNRESOLVED = (
     "a harness limit, not a MaxText finding: on auto axes MaxText's activation "
@@ -474,7 +489,7 @@ _EXPLICIT_KV_CACHE = _on_explicit_axes(
     **_LOOP,
     **_MESH3,
 )
-_EXPLICIT_NORM = _on_explicit_axes(
+_NORM_UNALIGNED = (
     "on explicit axes deepseek3's RMSNorm (layers/normalizations.py:129, called by "
     "pre_attention_norm_op in models/deepseek.py) raises ShardingTypeError: its einsum "
     "'...k,k->...k' takes the activations split over tensor on k and the scale whole "
@@ -483,10 +498,9 @@ _EXPLICIT_NORM = _on_explicit_axes(
     "without shard_mode (llama2.py passes config.shard_mode), so they skip aligning the "
     "scale with the normalised axis; with it passed, the dense MoE's wo einsum "
     "(layers/moe.py, dense_matmul) raises next: contracting dimensions split over tensor "
-    "on both operands, no out_sharding. On fsdp8 deepseek3 agrees with auto axes",
-    **_LOOP,
-    **_MESH3,
+    "on both operands, no out_sharding. On fsdp8 deepseek3 agrees with auto axes"
 )
+_EXPLICIT_NORM = _on_explicit_axes(_NORM_UNALIGNED, **_LOOP, **_MESH3)
 
 
 def _releases(
@@ -622,7 +636,12 @@ class MaxTextLlama2(MaxTextFamily):
                     _SCAN,
                 ),
             ),
-            "0.2.5": (*_EXPLICIT_SCAN, *_EXPLICIT_LAYOUTS, *_EXPLICIT_KV_CACHE),
+            "0.2.5": (
+                *_EXPLICIT_SCAN,
+                *_EXPLICIT_LAYOUTS,
+                *_EXPLICIT_KV_CACHE,
+                *_resumed_on_explicit_axes(_SCAN_UNTRACED),
+            ),
         },
         _TREE_MODE_DECODER,
     )
@@ -700,6 +719,10 @@ class MaxTextDeepseek3(MaxTextFamily):
                 ),
                 *_EXPLICIT_NORM,
                 *_EXPLICIT_SCAN,
+                *_resumed_on_explicit_axes(
+                    "with scanned layers too, the explicit side raises first at deepseek3's "
+                    "RMSNorm: " + _NORM_UNALIGNED
+                ),
                 *_on_explicit_axes(
                     "on data=2,fsdp=2,tensor=2 the explicit side raises first, at "
                     "deepseek3's RMSNorm (as forward does on the auto-vs-explicit pair); on "
@@ -816,6 +839,7 @@ class MaxTextGemma2(MaxTextFamily):
                 *_EXPLICIT_SCAN,
                 *_EXPLICIT_LAYOUTS,
                 *_EXPLICIT_KV_CACHE,
+                *_resumed_on_explicit_axes(_SCAN_UNTRACED),
                 *_on_explicit_axes(
                     "a partitioning problem of the auto side, not of explicit axes: "
                     + _PARTITIONED.format(gap=0.12, leaf="self_attention_local/query/kernel")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance import families
+from conformance.contract import Pair
 from conformance.core.failure import checking, fail
 from conformance.core.trees import restack
 from conformance.runtime.case import Case
@@ -123,6 +124,17 @@ _RESUME_CONVERSION = (
         "resume_conversion",
         ("step 3 of 4", "state/optimizer/step:"),
         seams={"convert_cast_counters": loses_step},
+    ),
+    Fault(
+        Llama(),
+        "resume_conversion",
+        (
+            "step 3 of 4",
+            "NNX explicit sharding resumed from NNX auto sharding's checkpoint of step 2",
+            "state/optimizer/step:",
+        ),
+        seams={"convert_cast_counters": loses_step},
+        pair=Pair.AUTO_EXPLICIT,
     ),
 )
 

@@ -463,6 +463,16 @@ FAULTS = (
     ),
     Fault(
         CountDroppedInTreeMode(),
+        "resume_conversion",
+        (
+            "step 3 of 4",
+            "NNX tree mode resumed from NNX graph mode's checkpoint of step 2",
+            "state/model/calls",
+        ),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        CountDroppedInTreeMode(),
         "tree_mode",
         ("step 2, tree mode resumed from NNX graph mode's checkpoint", "state/model/calls"),
     ),
