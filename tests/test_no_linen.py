@@ -85,6 +85,8 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "train_step",
         "decode",
         "init",
+        "cost",
+        "resume_conversion",
     }
     assert ran == expected
 

@@ -79,18 +79,17 @@ class Planned:
         """What a tier narrows by: the device mesh, layout, dtype id, mode, conversion.
 
         ``variant``: whether the check is a variant of the plain step or forward
-        (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``
-        (with ``scan_layers``): whether it compares two modes of the NNX model
+        (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``: whether it
+        compares two modes of the NNX model
         (:attr:`~conformance.checks.registry.Check.mode_pair`, or a mode pair on the
-        ``pair`` axis).
+        ``pair`` axis), in whatever layout and dtype it runs.
         """
         dtype_ids = {v: k for k, v in DTYPES.items()}
         found: dict[str, Any] = {
             "scan_layers": self.values.get("scan_layers"),
             "quant": self.values.get("quant"),
         }
-        modes = self.check.mode_pair or self.pair != Pair.LINEN_NNX
-        if modes and found["scan_layers"] is not None:
+        if self.check.mode_pair or self.pair != Pair.LINEN_NNX:
             found["mode_pair"] = True
         found["variant"] = self.check.variant
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
