@@ -87,6 +87,7 @@ def test_every_test_runs_nnx_alone_or_skips_saying_linen_is_gone():
         "init",
         "cost",
         "resume_conversion",
+        "activation_sharding",
     }
     assert ran == expected
 

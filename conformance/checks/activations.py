@@ -53,18 +53,18 @@ def _collectives(found: dict[str, tuple[int, int]]) -> str:
 
 
 def _problems(program: Program, case: Case, rows: int) -> tuple[list[str], str, dict[str, Any]]:
-    """``program``'s differences in words, its one-line count, and NNX's golden table."""
-    linen, nnx_ = live_pair(case)
-    paired(linen, nnx_)
-    rules = case.family.path_rules(case.bound)
-    laid_out, asked, first, second = activation_differences(linen, nnx_, rules, program, rows)
+    """``program``'s differences in words, its one-line count, and the second side's table."""
+    a, b = live_pair(case)
+    paired(a, b)
+    names = (a.name, b.name)
+    laid_out, asked, first, second = activation_differences(a, b, a.path_rules(), program, rows)
     mesh = dict(second.mesh)
     emit(Layouts(program.name, layout_rows(second, laid_out)))
-    problems = unanswered(first, second)
-    problems += [d.describe(mesh) for d in laid_out[:SHOWN]]
+    problems = unanswered(first, second, names)
+    problems += [d.describe(mesh, names) for d in laid_out[:SHOWN]]
     if len(laid_out) > SHOWN:
         problems.append(f"... and {len(laid_out) - SHOWN} more value(s) laid out differently")
-    problems += [d.describe() for d in asked[:SHOWN]]
+    problems += [d.describe(names) for d in asked[:SHOWN]]
     if len(asked) > SHOWN:
         problems.append(f"... and {len(asked) - SHOWN} more module(s) constraining differently")
     if asked and not laid_out:
@@ -74,8 +74,8 @@ def _problems(program: Program, case: Case, rows: int) -> tuple[list[str], str, 
         )
     if problems:
         problems.append(
-            f"collectives: Linen {_collectives(dict(first.collectives))}; "
-            f"NNX {_collectives(dict(second.collectives))}"
+            f"collectives: {names[0]} {_collectives(dict(first.collectives))}; "
+            f"{names[1]} {_collectives(dict(second.collectives))}"
         )
     count = (
         f"{program.name}: {len(laid_out)} value(s) laid out differently, "
@@ -89,7 +89,7 @@ def _compared(
 ) -> dict[str, Any]:
     """Both sides' forward and train step (of ``step``, default ``case``), compared.
 
-    Returns NNX's tables of both as the golden.
+    Returns the second side's tables of both as the golden.
     """
     problems, counts, tables = [], [], {}
     forward, train_step = PROGRAMS
@@ -106,9 +106,12 @@ def _compared(
     return {"mesh": case.mesh.sizes(), **tables}
 
 
-@declare(ON_MESH, golden=True, golden_by_platform=True)
+@declare((*ON_MESH, Axis.PAIR), golden=True, golden_by_platform=True)
 def check_activation_sharding(case: Case) -> dict[str, Any]:
     """Every paired module call's values are sharded alike in both forwards and train steps.
+
+    The sides are Linen and NNX, or the NNX model in two modes (the ``pair`` axis),
+    which have no golden of their own.
 
     Each side's forward and train step are compiled for the case's mesh with probes
     (:mod:`conformance.runtime.activations`); modules pair as localisation pairs them.
@@ -117,8 +120,9 @@ def check_activation_sharding(case: Case) -> dict[str, Any]:
     a step adds what each backend's autodiff transposes). A failure names the first
     values, in Linen's call order, whose sharding differs, with both specs and the
     shards they split each dimension in, the modules that constrain differently, and
-    both programs' collectives. Returns NNX's call-by-call tables of both programs as
-    the golden (kept per platform, XLA level and mesh: the partitioner decides it).
+    both programs' collectives. Returns the second side's call-by-call tables of both
+    programs as the golden (kept per platform, XLA level and mesh: the partitioner
+    decides it).
     """
     return _compared(case, f"mesh {case.mesh}")
 

@@ -71,7 +71,8 @@ class Layouts:
 
     program: str
     rows: tuple[tuple[str, str, str], ...]
-    """Per NNX call: ``(call, NNX's output layouts, Linen's where they differ, else "")``."""
+    """Per call of the second side (NNX, or a mode): ``(call, its output layouts, the first
+    side's where they differ, else "")``."""
 
 
 Record = Measurement | Costs | Layouts

@@ -99,7 +99,10 @@ def _time_rows(report: Json) -> list[list[str]]:
 
 
 _COSTS = "Compiled cost (NNX, or the second mode of a mode pair, and its ratio to the first side)"
-_LAYOUTS = "Activation shardings (NNX's compiled layouts, Linen's where they differ)"
+_LAYOUTS = (
+    "Activation shardings (NNX's compiled layouts, or the second mode's of a mode pair; "
+    "the first side's where they differ)"
+)
 
 
 def markdown(report: Json, limit: int = MARKDOWN_LIMIT) -> str:

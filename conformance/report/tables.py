@@ -42,14 +42,15 @@ def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
 
 
 def layout_rows(report: Mapping[str, Any], *, calls: bool) -> list[list[str]]:
-    """The activation tables: per family, case and program, NNX's output layouts.
+    """The activation tables: per family, case and program, the second side's output layouts.
 
-    With ``calls``, a row per module call, Linen's layouts beside NNX's where they
-    differ; else a row per program: its calls and how many are laid out differently.
+    The second side is NNX, or a mode pair's second mode (the case names the pair). With
+    ``calls``, a row per module call, the first side's layouts beside the second's where
+    they differ; else a row per program: its calls and how many are laid out differently.
     """
     head = ["family", "case", "program"]
     rows = [
-        [*head, "call", "NNX output", "Linen, where it differs"]
+        [*head, "call", "output", "first side's, where it differs"]
         if calls
         else [*head, "calls", "laid out differently"]
     ]

@@ -393,7 +393,16 @@ _TREE_MODE_SHARED_RNGS = (
 )
 
 
-_ON_THE_TREE_PAIR = ("structure", "sharding", "init", "forward", "train_step", "decode", "cost")
+_ON_THE_TREE_PAIR = (
+    "structure",
+    "sharding",
+    "init",
+    "forward",
+    "train_step",
+    "decode",
+    "cost",
+    "activation_sharding",
+)
 """The checks that also compare graph with tree mode, on the ``graph-vs-tree`` pair."""
 
 _IN_THE_PREFERRED_LAYOUT = ("resume_conversion",)
@@ -432,7 +441,7 @@ _TREE_MODE_DECODER = _shared_rngs(
 )
 
 
-_ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode", "cost")
+_ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode", "cost", "activation_sharding")
 """The checks that run programs on explicit axes, on the ``auto-vs-explicit`` pair."""
 
 
@@ -478,7 +487,9 @@ _LAYOUTS_UNRESOLVED = (
     "out_shardings lay them out as its rules say (the embedding "
     "P(('data', 'fsdp'), None, 'tensor'), the query projection whole)"
 )
-_EXPLICIT_LAYOUTS = _on_explicit_axes(_LAYOUTS_UNRESOLVED, ("explicit_sharding",), **_LOOP)
+_EXPLICIT_LAYOUTS = _on_explicit_axes(
+    _LAYOUTS_UNRESOLVED, ("explicit_sharding", "activation_sharding"), **_LOOP
+)
 _EXPLICIT_KV_CACHE = _on_explicit_axes(
     "on explicit axes maxtext 0.2.5's autoregressive KV-cache update "
     "(inference/kvcache.py, update_ar_key_value) raises ShardingTypeError: "
@@ -729,6 +740,9 @@ class MaxTextDeepseek3(MaxTextFamily):
                     "fsdp8 the layouts differ: " + _LAYOUTS_UNRESOLVED,
                     ("explicit_sharding",),
                     **_LOOP,
+                ),
+                *_on_explicit_axes(
+                    _LAYOUTS_UNRESOLVED, ("activation_sharding",), **_LOOP, mesh="fsdp8"
                 ),
             ),
         },

@@ -373,6 +373,7 @@ VARIANTS: tuple[Variant, ...] = (
             ("forward", None),
             ("train_step", None),
             ("cost", None),
+            ("activation_sharding", None),
         ),
         pair=Pair.GRAPH_TREE,
     ),
@@ -384,6 +385,7 @@ VARIANTS: tuple[Variant, ...] = (
         EmbedByOneHotWhenExplicit(),
         checks=(
             ("explicit_sharding", None),
+            ("activation_sharding", None),
             ("sharding", None),
             ("init", None),
             ("forward", None),

@@ -31,6 +31,20 @@ from conformance_models.nnx_layers import constrain
 from tests.faults.fault import Fault, Gpt3
 
 
+def _rewritten_in(mode, build):
+    """``features`` of a gpt3 whose NNX model in ``mode`` is ``build(family, config, rngs)``.
+
+    ``mode`` is :class:`~conformance.contract.TreeMode` or
+    :class:`~conformance.contract.ExplicitSharding`.
+    """
+
+    def features(self):
+        rewrite = mode(lambda config, rngs: build(self, config, rngs))
+        return with_features(Gpt3Family.features(self), rewrite)
+
+    return features
+
+
 class SharedHead(Gpt3Family):
     """gpt3 whose NNX model also holds its embedding as ``unembed``: a shared reference.
 
@@ -136,23 +150,30 @@ class _HiddenSequenceOnTensor(gpt3_nnx.Mlp):
         return constrain(out, common.ACTIVATION_EMBED, self.config)
 
 
-class MlpHiddenOnSequenceWhenExplicit(Gpt3Family):
-    """The explicit-axes rewrite resolves the MLP hidden's ``tensor`` to its sequence.
+def _mlp_hidden_on_sequence(family, config, rngs):
+    """gpt3's NNX model whose MLP hidden names its axes in another order.
 
-    Auto axes split the hidden ``[batch, seq, mlp]`` over ``tensor`` on ``mlp``; the
-    rewrite names its axes in another order, so ``tensor`` splits the sequence and the
-    ``mlp`` dimension is whole. Every number agrees: only the layout moves.
+    Otherwise the hidden ``[batch, seq, mlp]`` is split over ``tensor`` on ``mlp``; here
+    ``tensor`` splits the sequence and the ``mlp`` dimension is whole. Every number
+    agrees: only the layout moves.
     """
+    model = Gpt3Family.nnx_module(family, config, rngs)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, gpt3_nnx.Mlp):
+            node.__class__ = _HiddenSequenceOnTensor
+    return model
 
-    def features(self):
-        return with_features(super().features(), ExplicitSharding(self.swapped))
 
-    def swapped(self, config, rngs):
-        model = Gpt3Family.nnx_module(self, config, rngs)
-        for _, node in nnx.iter_graph(model):
-            if isinstance(node, gpt3_nnx.Mlp):
-                node.__class__ = _HiddenSequenceOnTensor
-        return model
+class MlpHiddenOnSequenceWhenExplicit(Gpt3Family):
+    """The explicit-axes rewrite resolves the MLP hidden's ``tensor`` to its sequence."""
+
+    features = _rewritten_in(ExplicitSharding, _mlp_hidden_on_sequence)
+
+
+class MlpHiddenOnSequenceInTreeMode(Gpt3Family):
+    """The tree-mode rewrite resolves the MLP hidden's ``tensor`` to its sequence."""
+
+    features = _rewritten_in(TreeMode, _mlp_hidden_on_sequence)
 
 
 class _ExactGelu(gpt3_nnx.Mlp):
@@ -199,20 +220,6 @@ class _CacheIndexKept(nnx_layers.KVCache):
         )
         self.key[...], self.value[...] = written[:2]
         return attended
-
-
-def _rewritten_in(mode, build):
-    """``features`` of a gpt3 whose NNX model in ``mode`` is ``build(family, config, rngs)``.
-
-    ``mode`` is :class:`~conformance.contract.TreeMode` or
-    :class:`~conformance.contract.ExplicitSharding`.
-    """
-
-    def features(self):
-        rewrite = mode(lambda config, rngs: build(self, config, rngs))
-        return with_features(Gpt3Family.features(self), rewrite)
-
-    return features
 
 
 def _with_index_kept(family, config, rngs):
@@ -426,6 +433,31 @@ FAULTS = (
         OutBiasDroppedWhenExplicit(),
         "sharding",
         ("NNX auto sharding", "layers/0/mlp/wo/bias", "NNX explicit sharding"),
+        pair=Pair.AUTO_EXPLICIT,
+    ),
+    Fault(
+        MlpHiddenOnSequenceInTreeMode(),
+        "activation_sharding",
+        (
+            "activation shardings differ",
+            "layers/0/mlp",
+            "NNX graph mode",
+            "NNX tree mode",
+            "likely cause: a partitioning change",
+        ),
+        mesh_axes=("tensor",),
+        pair=Pair.GRAPH_TREE,
+    ),
+    Fault(
+        MlpHiddenOnSequenceWhenExplicit(),
+        "activation_sharding",
+        (
+            "activation shardings differ",
+            "layers/0/mlp",
+            "NNX auto sharding",
+            "NNX explicit sharding",
+        ),
+        mesh_axes=("tensor",),
         pair=Pair.AUTO_EXPLICIT,
     ),
     Fault(

@@ -121,12 +121,12 @@ class ConstraintDifference:
     nnx: tuple[str, ...]
     """The constraints only NNX asks for there."""
 
-    def describe(self) -> str:
+    def describe(self, names: tuple[str, str] = SIDE_NAMES) -> str:
         """The module, then what one side constrains there and the other not."""
         module = _paired(self.linen_module, self.nnx_module)
         said = [
             f"{name} alone constrains {' and '.join(extra)}"
-            for name, extra in (("Linen", self.linen), ("NNX", self.nnx))
+            for name, extra in zip(names, (self.linen, self.nnx), strict=True)
             if extra
         ]
         return f"{module}: " + "; ".join(said)
@@ -270,9 +270,11 @@ def activation_differences(
 ) -> tuple[list[Difference], list[ConstraintDifference], Table, Table]:
     """Where the two sides' ``program`` lays out or constrains values.
 
-    The values of :func:`compare_tables`, the modules of :func:`constraint_differences`.
-    Returns them with both sides' tables, of a batch of ``rows``. ``rules`` are the
-    family's path rules, which pair modules holding no parameters.
+    The values of :func:`compare_tables`, the modules of :func:`constraint_differences`
+    (none when a side lays values out itself, on explicit axes: it relays them where its
+    code says rather than asking the compiler). Returns them with both sides' tables, of a
+    batch of ``rows``. ``rules`` are the first side's path rules, which pair modules
+    holding no parameters.
     """
     first, second = program.table(linen, rows), program.table(nnx_, rows)
     pairs = module_pairs(
@@ -281,5 +283,6 @@ def activation_differences(
         sorted({call.path for call in first.calls}),
         sorted({call.path for call in second.calls}),
     )
-    asked = constraint_differences(first, second, pairs) if program.constraints else []
+    constrained = program.constraints and not (linen.lays_out_itself or nnx_.lays_out_itself)
+    asked = constraint_differences(first, second, pairs) if constrained else []
     return compare_tables(first, second, pairs), asked, first, second
