@@ -45,6 +45,20 @@ def _rewritten_in(mode, build):
     return features
 
 
+def _swapped(kind, replacement):
+    """A build of gpt3's NNX model (for :func:`_rewritten_in`) whose every ``kind`` node
+    runs as ``replacement``, a subclass rewritten for the mode."""
+
+    def build(family, config, rngs):
+        model = Gpt3Family.nnx_module(family, config, rngs)
+        for _, node in nnx.iter_graph(model):
+            if isinstance(node, kind):
+                node.__class__ = replacement
+        return model
+
+    return build
+
+
 class SharedHead(Gpt3Family):
     """gpt3 whose NNX model also holds its embedding as ``unembed``: a shared reference.
 
@@ -150,30 +164,21 @@ class _HiddenSequenceOnTensor(gpt3_nnx.Mlp):
         return constrain(out, common.ACTIVATION_EMBED, self.config)
 
 
-def _mlp_hidden_on_sequence(family, config, rngs):
-    """gpt3's NNX model whose MLP hidden names its axes in another order.
-
-    Otherwise the hidden ``[batch, seq, mlp]`` is split over ``tensor`` on ``mlp``; here
-    ``tensor`` splits the sequence and the ``mlp`` dimension is whole. Every number
-    agrees: only the layout moves.
-    """
-    model = Gpt3Family.nnx_module(family, config, rngs)
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, gpt3_nnx.Mlp):
-            node.__class__ = _HiddenSequenceOnTensor
-    return model
-
-
 class MlpHiddenOnSequenceWhenExplicit(Gpt3Family):
-    """The explicit-axes rewrite resolves the MLP hidden's ``tensor`` to its sequence."""
+    """The explicit-axes rewrite resolves the MLP hidden's ``tensor`` to its sequence.
 
-    features = _rewritten_in(ExplicitSharding, _mlp_hidden_on_sequence)
+    Otherwise the hidden ``[batch, seq, mlp]`` is split over ``tensor`` on ``mlp``; the
+    rewrite names its axes in another order, so ``tensor`` splits the sequence and the
+    ``mlp`` dimension is whole. Every number agrees: only the layout moves.
+    """
+
+    features = _rewritten_in(ExplicitSharding, _swapped(gpt3_nnx.Mlp, _HiddenSequenceOnTensor))
 
 
 class MlpHiddenOnSequenceInTreeMode(Gpt3Family):
     """The tree-mode rewrite resolves the MLP hidden's ``tensor`` to its sequence."""
 
-    features = _rewritten_in(TreeMode, _mlp_hidden_on_sequence)
+    features = _rewritten_in(TreeMode, _swapped(gpt3_nnx.Mlp, _HiddenSequenceOnTensor))
 
 
 class _ExactGelu(gpt3_nnx.Mlp):
@@ -189,15 +194,7 @@ class ExactGeluWhenExplicit(Gpt3Family):
     move by about 1e-3 while every layout agrees.
     """
 
-    def features(self):
-        return with_features(super().features(), ExplicitSharding(self.exact))
-
-    def exact(self, config, rngs):
-        model = Gpt3Family.nnx_module(self, config, rngs)
-        for _, node in nnx.iter_graph(model):
-            if isinstance(node, gpt3_nnx.Mlp):
-                node.__class__ = _ExactGelu
-        return model
+    features = _rewritten_in(ExplicitSharding, _swapped(gpt3_nnx.Mlp, _ExactGelu))
 
 
 _GATHERED = nnx_layers.gathered
@@ -222,12 +219,7 @@ class _CacheIndexKept(nnx_layers.KVCache):
         return attended
 
 
-def _with_index_kept(family, config, rngs):
-    model = Gpt3Family.nnx_module(family, config, rngs)
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx_layers.KVCache):
-            node.__class__ = _CacheIndexKept
-    return model
+_with_index_kept = _swapped(nnx_layers.KVCache, _CacheIndexKept)
 
 
 class CacheIndexKeptInTreeMode(Gpt3Family):
