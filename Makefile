@@ -202,9 +202,11 @@ goldens-maxtext-tpu: $(MAXTEXT_TPU_STAMP)
 ## the pinned versions in a fresh venv, and run the built-in families' smoke-tier goldens,
 ## recorded references and structure checks from an empty directory (their goldens and
 ## references must come from the installed package): every check with a golden or a
-## reference, and none without (`sharding_invariance` keeps neither).
+## reference, and none without (`sharding_invariance`, `explicit_sharding` and the mode
+## pairs, which compare two modes of NNX with each other, keep neither).
 WHEEL_VENV := .venv-wheel
-WHEEL_CHECKS ?= structure or (sharding and not invariance) or recorded
+WHEEL_CHECKS ?= (structure or (sharding and not invariance) or recorded) \
+  and not (explicit_sharding or graph-vs-tree or auto-vs-explicit)
 
 ## The wheel is built from a copy of the tree: building in place rewrites the
 ## *.egg-info beside the sources, which every `python -m conformance` started in this
