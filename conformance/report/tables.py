@@ -19,10 +19,11 @@ COST_MEASURES = ("flops", "bytes_accessed", "argument_bytes", "temp_bytes")
 def cost_rows(report: Mapping[str, Any]) -> list[list[str]]:
     """The cost table: per family, case and program, the second side's measures over the first's.
 
-    The sides are a cost's two, in order: Linen then NNX, or the mode compared then
-    the other (the case names the pair). Each cell is ``second's value (ratio)``; the
-    collectives column says whether both sides run the same collectives (kind, count
-    and bytes), else what the second runs, headed by its key (``nnx``, ``nnx-tree``).
+    The sides are a cost's two, in order: Linen then NNX, or a mode pair's reference
+    mode (graph mode, auto axes) then the mode held to it (the case names the pair).
+    Each cell is ``second's value (ratio)``; the collectives column says whether both
+    sides run the same collectives (kind, count and bytes), else what the second runs,
+    headed by its key (``nnx``, ``nnx-tree``).
     """
     rows = [["family", "case", "program", *COST_MEASURES, "collectives"]]
     for t in suite_tests(report):
