@@ -554,6 +554,36 @@ def test_the_default_tier_runs_the_pair_axis_modes_as_smoke_does():
     assert {p.row for p in modes} == {"forward graph-vs-tree", "forward auto-vs-explicit"}
 
 
+@pytest.mark.parametrize("name", ["cost", "activation_sharding", "resume_conversion"])
+def test_the_smoke_tier_leaves_the_costly_mode_pairs_to_default(name):
+    """Their Linen-vs-NNX tests run in smoke; their mode pairs only from ``default`` on."""
+    from conformance.checks.registry import BUILTIN
+    from conformance.core.roots import Goldens
+    from conformance.pytest_plugin.plan import plan
+    from conformance.pytest_plugin.session import Settings
+
+    family, mesh = Gpt3Family(), parse_mesh("data=2,fsdp=2,tensor=2")
+    kept = {}
+    for tier in (get_tier("smoke"), get_tier("default")):
+        run = Settings((family,), (mesh,), (), tier, "low", Goldens(None))
+        planned = plan(BUILTIN[name], family, run)
+        kept[tier.name] = {p.pair for p in planned if not tier.leaves_out(family, p.facets())}
+        reasons = {tier.leaves_out(family, p.facets()) for p in planned}
+        if tier.name == "smoke":
+            assert "mode pair compiling programs of its own (in the default tier)" in reasons
+    assert kept == {"smoke": {Pair.LINEN_NNX}, "default": set(Pair)}
+
+
+def test_costly_mode_pairs_are_the_probed_cost_analysed_and_resumed_ones():
+    from conformance.checks.registry import BUILTIN
+
+    assert {name for name, check in BUILTIN.items() if check.costly_pairs} == {
+        "activation_sharding",
+        "cost",
+        "resume_conversion",
+    }
+
+
 def test_mode_pairs_are_the_checks_comparing_two_modes_of_nnx():
     from conformance.checks.registry import BUILTIN
 

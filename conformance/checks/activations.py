@@ -106,7 +106,7 @@ def _compared(
     return {"mesh": case.mesh.sizes(), **tables}
 
 
-@declare((*ON_MESH, Axis.PAIR), golden=True, golden_by_platform=True)
+@declare((*ON_MESH, Axis.PAIR), golden=True, golden_by_platform=True, costly_pairs=True)
 def check_activation_sharding(case: Case) -> dict[str, Any]:
     """Every paired module call's values are sharded alike in both forwards and train steps.
 

@@ -246,7 +246,13 @@ def check_resume(case: Case, backend: str, workdir: Path) -> None:
             fail(failed(title, mismatches, ("straight", "resumed")) + rerun_note())
 
 
-@declare((Axis.FAMILY, Axis.DTYPE, Axis.PAIR), where="primary", workdir=True, suite="train_step")
+@declare(
+    (Axis.FAMILY, Axis.DTYPE, Axis.PAIR),
+    where="primary",
+    workdir=True,
+    suite="train_step",
+    costly_pairs=True,
+)
 def check_resume_conversion(case: Case, workdir: Path) -> None:
     """Linen's steps, saved, converted to NNX and continued there, equal Linen's straight.
 

@@ -69,6 +69,7 @@ def _programs(case: Case) -> dict[str, tuple[Cost, Cost]]:
     where="primary",
     golden=True,
     golden_by_platform=True,
+    costly_pairs=True,
 )
 def check_cost(case: Case) -> dict[str, Any]:
     """NNX's forward, train and decode steps cost at most ``BUDGET`` of Linen's, alike.

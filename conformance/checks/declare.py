@@ -90,6 +90,11 @@ class Check:
     """The check compares two modes of the NNX model (graph against tree mode, auto
     against explicit axes) rather than two backends: the ``default`` tier runs it in the
     family's preferred layer layout only, as ``smoke`` does (``full`` in every layout)."""
+    costly_pairs: bool = False
+    """Its mode-pair tests (two modes of the NNX model on the ``pair`` axis) compile
+    programs of their own beyond those ``forward``, ``train_step`` and ``decode`` compile
+    for the pair (probed, cost-analysed, resumed from a checkpoint): the ``smoke`` tier
+    leaves them out, for time, and ``default`` runs them."""
     quant_method: str | None = None
     """Parametrize ``quant`` only over modes of this method (``qat``, ``ptq``)."""
     golden: bool = False

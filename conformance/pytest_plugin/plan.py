@@ -82,7 +82,9 @@ class Planned:
         (:attr:`~conformance.checks.registry.Check.variant`); ``mode_pair``: whether it
         compares two modes of the NNX model
         (:attr:`~conformance.checks.registry.Check.mode_pair`, or a mode pair on the
-        ``pair`` axis), in whatever layout and dtype it runs.
+        ``pair`` axis), in whatever layout and dtype it runs; ``costly_mode_pair``: a
+        mode pair of a check whose mode pairs are costly
+        (:attr:`~conformance.checks.registry.Check.costly_pairs`).
         """
         dtype_ids = {v: k for k, v in DTYPES.items()}
         found: dict[str, Any] = {
@@ -91,6 +93,8 @@ class Planned:
         }
         if self.check.mode_pair or self.pair != Pair.LINEN_NNX:
             found["mode_pair"] = True
+        if self.check.costly_pairs and self.pair != Pair.LINEN_NNX:
+            found["costly_mode_pair"] = True
         found["variant"] = self.check.variant
         if isinstance(mesh := self.values.get("mesh"), MeshSpec):
             found["mesh"] = mesh

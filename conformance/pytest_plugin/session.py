@@ -100,26 +100,7 @@ class Settings:
     def header(self) -> list[str]:
         """Lines saying what the run covers: tier, meshes, families, devices, references."""
         tier = self.tier
-        kept = [
-            f"meshes {', '.join(m.id for m in self.run_meshes)}",
-            "one layer layout per family" if tier.one_layout else "every layer layout",
-            "dtypes "
-            + ", ".join(tier.dtypes or DTYPES)
-            + (" (below f32 on the primary mesh only)" if tier.low_precision_on_primary else ""),
-            "one quantization mode per method" if tier.one_mode_per_method else "every mode",
-            *(
-                ["variant checks and NNX mode pairs on the primary mesh only"]
-                if tier.variants_on_primary
-                else []
-            ),
-            *(
-                ["variant checks and NNX mode pairs in one layer layout"]
-                if tier.variants_one_layout
-                else []
-            ),
-            *(["NNX mode pairs in f32 only"] if tier.mode_pairs_in_f32 else []),
-            "expected failures run" if tier.expected_failures else "expected failures left out",
-        ]
+        kept = [f"meshes {', '.join(m.id for m in self.run_meshes)}", *tier.narrowing(DTYPES)]
         families = ", ".join(f.name for f in self.families) or "none"
         lines = [
             f"conformance: tier {tier.name} ({tier.summary}): " + "; ".join(kept),

@@ -7,14 +7,19 @@ never reports another tier's goldens as unused.
 * ``smoke``: the laptop pass. One multi-axis mesh (``data=2,fsdp=2,tensor=2``, where
   partitioning bugs show), the family's preferred layer layout, float32, one
   quantization mode per method, the same-layout checkpoint conversion, TPU compiles at
-  the device size only; every check at least once per family.
+  the device size only; every check at least once per family, and the mode pairs of
+  the checks comparing what two modes of NNX build and compute (``structure``,
+  ``sharding``, ``init``, ``forward``, ``train_step``, ``decode``, ``tree_mode``,
+  ``explicit_sharding``), not of those compiling programs of their own
+  (:attr:`~conformance.checks.registry.Check.costly_pairs`: ``cost``,
+  ``activation_sharding``, ``resume_conversion``).
 * ``default``: what CI gates on. Both default meshes (the multi-axis one first, then
   ``fsdp=8``), both layer layouts, float32 and bfloat16 (bfloat16 on the primary mesh),
   one quantization mode per method, every checkpoint conversion; the variant checks
   (quantized, lower-precision, accumulated, tiled steps and forwards) on the primary
   mesh, and they and the checks comparing two modes of NNX (``tree_mode``,
   ``explicit_sharding``) in the family's preferred layout; the mode pairs of the checks
-  with a ``pair`` axis as ``smoke`` runs them (primary mesh, preferred layout, float32).
+  with a ``pair`` axis on the primary mesh, in the preferred layout, in float32.
 * ``full``: every combination: every quantization mode (fp8 too), and the tests
   expected to fail (strict xfails of known upstream bugs and declared divergences),
   which the other tiers leave out.
@@ -25,7 +30,7 @@ A mesh given on the command line (``--mesh``) replaces the tier's meshes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -71,6 +76,39 @@ class Tier:
     mode_pairs_in_f32: bool = False
     """Keep the mode pairs (two modes of the NNX model on the ``pair`` axis) in float32
     compute only."""
+    costly_mode_pairs: bool = True
+    """Keep the mode pairs of the checks whose mode pairs compile programs of their own
+    (:attr:`~conformance.checks.registry.Check.costly_pairs`)."""
+
+    def narrowing(self, dtypes: Iterable[str]) -> list[str]:
+        """What the tier keeps beyond its meshes, in words, for a run's header.
+
+        ``dtypes``: the dtype ids a run can have, named when the tier keeps them all.
+        """
+        return [
+            "one layer layout per family" if self.one_layout else "every layer layout",
+            "dtypes "
+            + ", ".join(self.dtypes or dtypes)
+            + (" (below f32 on the primary mesh only)" if self.low_precision_on_primary else ""),
+            "one quantization mode per method" if self.one_mode_per_method else "every mode",
+            *(
+                ["variant checks and NNX mode pairs on the primary mesh only"]
+                if self.variants_on_primary
+                else []
+            ),
+            *(
+                ["variant checks and NNX mode pairs in one layer layout"]
+                if self.variants_one_layout
+                else []
+            ),
+            *(["NNX mode pairs in f32 only"] if self.mode_pairs_in_f32 else []),
+            *(
+                []
+                if self.costly_mode_pairs
+                else ["NNX mode pairs of the checks compiling programs of their own left out"]
+            ),
+            "expected failures run" if self.expected_failures else "expected failures left out",
+        ]
 
     def mesh_order(self, configured: Sequence[MeshSpec]) -> list[MeshSpec]:
         """The configured meshes this tier runs on, the primary one first."""
@@ -85,6 +123,7 @@ class Tier:
         ``facets`` describe a test by name: ``mesh`` (a device mesh), ``variant`` (a
         variant check, :attr:`~conformance.checks.registry.Check.variant`), ``mode_pair`` (a
         check comparing two modes of NNX, :attr:`~conformance.checks.registry.Check.mode_pair`),
+        ``costly_mode_pair`` (a mode pair compiling programs of its own),
         ``scan_layers``, ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts``
         (a checkpoint conversion's source and target layouts, ``True``: scanned) and
         ``tpu_production`` (a TPU compile at production sizes); a test lacking one is not
@@ -109,6 +148,8 @@ class Tier:
             return f"dtype {dtype}"
         if self.mode_pairs_in_f32 and facets.get("mode_pair") and dtype not in (None, "f32"):
             return f"mode pair in dtype {dtype} (only in f32)"
+        if not self.costly_mode_pairs and facets.get("costly_mode_pair"):
+            return "mode pair compiling programs of its own (in the default tier)"
         primary = self.meshes[0] if self.meshes else None
         off_primary = primary is not None and mesh is not None and mesh.id != primary
         if off_primary and self.low_precision_on_primary and dtype not in (None, "f32"):
@@ -152,6 +193,7 @@ TIERS: dict[str, Tier] = {
             same_layout_conversions=True,
             expected_failures=False,
             tpu_production=False,
+            costly_mode_pairs=False,
         ),
         Tier(
             "default",
