@@ -73,7 +73,7 @@ def facets(
     quant: str | None,
     params: Mapping[str, Any] | None = None,
     *,
-    tpu_production: bool = False,
+    costly_tpu_production: bool = False,
     dtype: Any = jnp.float32,
     pair: Pair = Pair.LINEN_NNX,
 ) -> dict[str, object]:
@@ -81,7 +81,7 @@ def facets(
     layouts = tuple(bool(s) for s in (params or {}).get("layouts", (0, 0)))
     dtype_id = next(name for name, known in DTYPES.items() if known == dtype)
     found = {"mesh": mesh, "scan_layers": False, "dtype": dtype_id, "layouts": layouts}
-    found["tpu_production"] = tpu_production
+    found["costly_tpu_production"] = costly_tpu_production
     if pair != Pair.LINEN_NNX:
         found["mode_pair"] = True
     return found | ({"quant": quant} if quant else {})

@@ -189,3 +189,34 @@ def test_a_program_libtpu_refuses_is_a_report_of_its_first_line(message, refusal
         compiled_for(_Refusing(message))
     assert type(raised.value) is refusal
     assert str(raised.value) == message.split("\n")[0]
+
+
+@pytest.mark.parametrize("tier", ["smoke", "default"])
+def test_the_smoke_tier_compiles_production_sizes_for_tpu_compile_alone(tier):
+    """Production sizes compile scanned in every tier; probed ones wait for ``default``."""
+    from conformance.checks.registry import BUILTIN
+    from conformance.core.roots import Goldens
+    from conformance.pytest_plugin.plan import plan
+    from conformance.pytest_plugin.session import Settings
+    from conformance.pytest_plugin.tiers import get_tier
+
+    family, chosen = families.get("llama"), get_tier(tier)
+    targets = (TpuTarget.parse("v6e:2x4"), TpuTarget.parse("v5p:4x4x4@production"))
+    run = Settings((family,), (), (), chosen, "low", Goldens(None), tpu=targets)
+    found = {
+        (name, p.values["tpu"].id)
+        for name in ("tpu_compile", "activation_sharding_tpu")
+        for p in plan(BUILTIN[name], family, run)
+        if not chosen.leaves_out(family, p.facets())
+    }
+    production = "8b-v5p-4x4x4-data2-fsdp16-tensor2-scan"
+    device = {"tiny-v6e-2x4-data2-fsdp2-tensor2-loop"}
+    if tier == "default":
+        device.add("tiny-v6e-2x4-data2-fsdp2-tensor2-scan")
+    expected = {
+        (name, id_) for name in ("tpu_compile", "activation_sharding_tpu") for id_ in device
+    }
+    expected.add(("tpu_compile", production))
+    if tier == "default":
+        expected.add(("activation_sharding_tpu", production))
+    assert found == expected

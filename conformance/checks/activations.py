@@ -134,6 +134,7 @@ def check_activation_sharding(case: Case) -> dict[str, Any]:
     devices=False,
     golden=True,
     given=(Axis.TPU,),
+    costly_production=True,
 )
 def check_activation_sharding_tpu(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     """:func:`check_activation_sharding` for ``tpu``'s slice, compiled by libtpu.

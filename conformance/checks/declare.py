@@ -95,6 +95,10 @@ class Check:
     programs of their own beyond those ``forward``, ``train_step`` and ``decode`` compile
     for the pair (probed, cost-analysed, resumed from a checkpoint): the ``smoke`` tier
     leaves them out, for time, and ``default`` runs them."""
+    costly_production: bool = False
+    """At a production size on a TPU slice (``--tpu ...@production``) it compiles each
+    side's programs once more beyond ``tpu_compile``'s (with probes): the ``smoke`` tier
+    leaves those tests out, for time, and ``default`` runs them."""
     quant_method: str | None = None
     """Parametrize ``quant`` only over modes of this method (``qat``, ``ptq``)."""
     golden: bool = False

@@ -102,8 +102,11 @@ class Planned:
             found["dtype"] = dtype_ids.get(self.values["dtype"], "")
         if "layouts" in self.params:
             found["layouts"] = tuple(self.params["layouts"].value)
-        if (compile_ := self.values.get("tpu")) is not None:
-            found["tpu_production"] = compile_.target.production
+        if (compile_ := self.values.get("tpu")) is not None and compile_.target.production:
+            # Production sizes compile in the layout production trains in, whatever the tier.
+            if self.check.costly_production:
+                found["costly_tpu_production"] = True
+        elif compile_ is not None:
             found["scan_layers"] = compile_.scan_layers
         return {k: v for k, v in found.items() if v is not None}
 

@@ -7,7 +7,8 @@ never reports another tier's goldens as unused.
 * ``smoke``: the laptop pass. One multi-axis mesh (``data=2,fsdp=2,tensor=2``, where
   partitioning bugs show), the family's preferred layer layout, float32, one
   quantization mode per method, the same-layout checkpoint conversion, TPU compiles at
-  the device size only; every check at least once per family, and the mode pairs of
+  the device size and ``tpu_compile``'s at production sizes (not the probed ones nor the
+  planted faults there); every check at least once per family, and the mode pairs of
   the checks comparing what two modes of NNX build and compute (``structure``,
   ``sharding``, ``init``, ``forward``, ``train_step``, ``decode``, ``tree_mode``,
   ``explicit_sharding``), not of those compiling programs of their own
@@ -61,8 +62,10 @@ class Tier:
     """Keep only checkpoint conversions between equal layer layouts."""
     expected_failures: bool
     """Keep tests marked as expected to fail."""
-    tpu_production: bool = True
-    """Keep the TPU compiles at production sizes (``--tpu ...@production``)."""
+    costly_tpu_production: bool = True
+    """Keep the TPU compiles at production sizes (``--tpu ...@production``) beyond
+    ``tpu_compile``'s own: probed programs
+    (:attr:`~conformance.checks.registry.Check.costly_production`) and planted faults."""
     low_precision_on_primary: bool = False
     """Keep dtypes below float32 on the primary mesh (the first of ``meshes``) only."""
     variants_on_primary: bool = False
@@ -107,6 +110,11 @@ class Tier:
                 if self.costly_mode_pairs
                 else ["NNX mode pairs of the checks compiling programs of their own left out"]
             ),
+            *(
+                []
+                if self.costly_tpu_production
+                else ["TPU compiles at production sizes: tpu_compile's only"]
+            ),
             "expected failures run" if self.expected_failures else "expected failures left out",
         ]
 
@@ -126,7 +134,8 @@ class Tier:
         ``costly_mode_pair`` (a mode pair compiling programs of its own),
         ``scan_layers``, ``dtype`` (its id, ``f32`` or ``bf16``), ``quant``, ``layouts``
         (a checkpoint conversion's source and target layouts, ``True``: scanned) and
-        ``tpu_production`` (a TPU compile at production sizes); a test lacking one is not
+        ``costly_tpu_production`` (a TPU compile at production sizes beyond
+        ``tpu_compile``'s: probed, or of a planted fault); a test lacking one is not
         narrowed by it.
         """
         from conformance.contract import preferred_layout
@@ -160,8 +169,8 @@ class Tier:
         quant = facets.get("quant")
         if self.one_mode_per_method and quant is not None and quant != _first_mode(family, quant):
             return f"quantization mode {quant}"
-        if not self.tpu_production and facets.get("tpu_production"):
-            return "production-size TPU compiles"
+        if not self.costly_tpu_production and facets.get("costly_tpu_production"):
+            return "production-size TPU compiles beyond tpu_compile's (in the default tier)"
         pair = facets.get("layouts")
         if self.same_layout_conversions and pair is not None:
             source, target = pair
@@ -192,7 +201,7 @@ TIERS: dict[str, Tier] = {
             one_mode_per_method=True,
             same_layout_conversions=True,
             expected_failures=False,
-            tpu_production=False,
+            costly_tpu_production=False,
             costly_mode_pairs=False,
         ),
         Tier(

@@ -37,7 +37,7 @@ def test_fault_is_caught(fault, monkeypatch, tmp_path, tier, primary_mesh, reque
         mesh,
         fault.quant,
         fault.params,
-        tpu_production=production,
+        costly_tpu_production=production,
         dtype=fault.dtype,
         pair=fault.pair,
     )
