@@ -23,8 +23,11 @@ from conformance.families import Topologies
 from conformance.pytest_plugin import session
 from conformance.pytest_plugin.session import _tpu_targets
 from conformance.runtime.aot import (
+    NOT_READ,
     abstract_batch,
     batch_rows,
+    held,
+    lowered_decode_step,
     lowered_forward,
     lowered_train_step,
     placements,
@@ -165,6 +168,36 @@ def test_placed_outputs_are_keyed_by_canonical_paths_and_agree_on_a_cpu_mesh():
     assert linen_step == nnx_step
     assert linen_step["metrics/loss"] == []
     assert "metrics/grads/layers/0/mlp/down/kernel" in linen_step
+
+
+def test_held_shardings_are_read_back_from_the_executable_in_canonical_paths():
+    """Every argument the harness passes is found by its leaves' paths, whatever order a
+    backend packs it in; the new state and cache come back too; unread leaves say so."""
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    case = Case.of(families.get("llama"), "tiny", mesh=mesh, devices=mesh.devices())
+    rows = batch_rows(case)
+    batch = abstract_batch(case, rows)
+    found = []
+    for side in live_pair(case):
+        programs = (
+            lowered_forward(side, batch),
+            lowered_train_step(side, batch),
+            lowered_decode_step(side, rows),
+        )
+        found.append([held(side, p, p.lowered.compile()) for p in programs])
+    linen, nnx_ = found
+    assert linen == nnx_
+    forward, step, decode = nnx_
+    assert forward["params/layers/0/mlp/down/kernel"] == ["tensor", "fsdp"]
+    assert forward["batch/tokens"] == [["data", "fsdp"], None]
+    assert forward["batch/targets"] == NOT_READ
+    assert {p.split("/")[0] for p in step} == {"state", "batch", "new state"}
+    assert step["new state/optimizer/opt_state/1/0/mu/layers/0/mlp/down/kernel"] == [
+        "tensor",
+        "fsdp",
+    ]
+    assert "new cache/layers/0/attn/kv_cache/key" in decode
+    assert decode["batch/segment_ids"] == NOT_READ
 
 
 class _Refusing:

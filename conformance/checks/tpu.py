@@ -10,7 +10,10 @@ programs are held to the ``cost`` check's budget
 outputs, temporaries and generated code within its HBM
 (:data:`~conformance.core.tpu.HBM_GIB`). The outputs the compiler places (the forward's
 logits and hidden states, the step's gradients and loss, the decode call's logits) must
-come out sharded alike on both sides, leaf by leaf. The failures that only exist at real
+come out sharded alike on both sides, leaf by leaf, and so must every leaf the program
+takes in and keeps (the parameters, the train state, the KV cache, the batch), read
+back from the executable, an argument one side never reads included. The failures
+that only exist at real
 size on the real compiler show here: a read-only parameter stacked per layer, a step
 that lost remat, a kernel sharded on another mesh axis.
 """
@@ -29,10 +32,12 @@ from conformance.core.failure import fail_if_any
 from conformance.core.records import Costs, emit
 from conformance.core.tpu import TpuCompile, libtpu_version
 from conformance.runtime.aot import (
+    NOT_READ,
     Program,
     abstract_batch,
     batch_rows,
     compile_for_production,
+    held,
     lowered_decode_step,
     lowered_forward,
     lowered_train_step,
@@ -105,17 +110,37 @@ def _programs(case: Case) -> dict[str, list[tuple[Side, Program]]]:
     return found
 
 
-def _placed_apart(program: str, placed: dict[Side, dict[str, Any]]) -> list[str]:
-    """Each placed output leaf the compiler shards differently on the two sides."""
-    (first, ours), (second, theirs) = placed.items()
-    missing = "(no such output)"
-    return [
-        f"{program}: {path} placed by the compiler as {first.name} {ours.get(path, missing)} "
-        f"but {second.name} {theirs.get(path, missing)} (a parameter or activation sharded "
-        "differently: a layout the next program pays for in collectives)"
-        for path in sorted(ours.keys() | theirs.keys())
-        if ours.get(path) != theirs.get(path)
-    ]
+_PLACED = (
+    "placed by the compiler",
+    "a parameter or activation sharded differently: a layout the next program pays for "
+    "in collectives",
+)
+_HELD = (
+    "held by the program",
+    "annotated or resolved differently: the sharding, optimizer_sharding and "
+    "decode_cache checks name both sides' logical axes",
+)
+_UNREAD = "one side's program never reads it: an input its model ignores"
+
+
+def _apart(program: str, found: dict[Side, dict[str, Any]], how: tuple[str, str]) -> list[str]:
+    """Each leaf ``found`` sharded differently on the two sides, with ``how`` it came so.
+
+    ``how`` is :data:`_PLACED` or :data:`_HELD`: what the shardings are, and the likely
+    cause when they differ (for a held leaf one side never reads, that it ignores it).
+    """
+    (first, ours), (second, theirs) = found.items()
+    verb, cause = how
+    missing = "(no such leaf)"
+    problems = []
+    for path in sorted(ours.keys() | theirs.keys()):
+        a, b = ours.get(path, missing), theirs.get(path, missing)
+        if a != b:
+            why = _UNREAD if NOT_READ in (a, b) else cause
+            problems.append(
+                f"{program}: {path} {verb} as {first.name} {a} but {second.name} {b} ({why})"
+            )
+    return problems
 
 
 def _not_fitting(side: Side, program: str, tpu: TpuCompile, footprint: int) -> str:
@@ -135,12 +160,16 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
     Per program (forward, train step, decode call): NNX within the ``cost`` check's
     budget of Linen's (flops, bytes accessed, argument, output and temporary memory,
     collectives by kind); the outputs the compiler places sharded alike, leaf by leaf;
-    and each side's footprint per device (arguments, outputs, temporaries and generated
-    code) within the chip's HBM. A program libtpu refuses for want of memory fails
-    naming the side, the program and the compiler's figure; one it refuses otherwise
-    (a Pallas kernel Mosaic cannot lower) fails with libtpu's first line. Returned as the golden,
-    kept per topology, libtpu version and XLA level: every program's costs, footprint
-    and placed shardings.
+    every leaf the program takes in and keeps (the parameters, the train state, the KV
+    cache, the batch), read back from the executable, sharded alike, an argument one
+    side never reads named so; and each side's footprint per device (arguments,
+    outputs, temporaries and generated code) within the chip's HBM. A program libtpu
+    refuses for want of memory fails naming the side, the program and the compiler's
+    figure; one it refuses otherwise (a Pallas kernel Mosaic cannot lower) fails with
+    libtpu's first line. Returned as the golden, kept per topology, libtpu version and
+    XLA level: every program's costs, footprint and placed shardings (the held ones
+    come from the logical names, which the ``sharding``, ``optimizer_sharding`` and
+    ``decode_cache`` goldens keep).
     """
     topology = tpu.target.topology
     programs: dict[str, dict[str, Any]] = {}
@@ -151,6 +180,7 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
         costs: list[Cost] = []
         tables: dict[str, dict[str, Any]] = {}
         placed: dict[Side, dict[str, Any]] = {}
+        kept: dict[Side, dict[str, Any]] = {}
         for side, program in sides:
             try:
                 compiled = compiled_for(program.lowered)
@@ -169,6 +199,10 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
                 "hbm_bytes": topology.hbm_bytes,
             }
             placed[side] = placements(side, program, compiled)
+            try:
+                kept[side] = held(side, program, compiled)
+            except LookupError as err:
+                problems.append(f"{name}: {err}")
             if footprint > topology.hbm_bytes:
                 problems.append(_not_fitting(side, name, tpu, footprint))
         programs[name] = {
@@ -178,7 +212,9 @@ def check_tpu_compile(case: Case, tpu: TpuCompile) -> dict[str, Any]:
         if len(costs) == len(sides) == 2:
             emit(Costs(f"{name} on {topology.name}", tables))
             problems += over_budget(name, *costs, scanned=case.scan_layers)
-            problems += _placed_apart(name, placed)
+            problems += _apart(name, placed, _PLACED)
+        if len(kept) == len(sides) == 2:
+            problems += _apart(name, kept, _HELD)
     fail_if_any(
         f"compiled for TPU {topology.name} (mesh {tpu.target.mesh.id}, size {case.size})",
         problems,

@@ -11,7 +11,8 @@ compiler to place (the forward's, the step's metrics and gradients, the decode c
 logits): :func:`placements` reads the shardings the compiler chose for them, per leaf,
 in canonical paths. Everything else (parameters, the train state, the KV cache, the
 batch) goes in and comes out with the shardings the case resolves from the logical
-names, which the ``sharding``, ``optimizer_sharding`` and ``decode_cache`` checks compare.
+names: :func:`held` reads those back from the executable, per leaf, in canonical paths,
+with the arguments the program does not read marked so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding
 
 from conformance.contract import Batch
 from conformance.core.sharding import spec_to_json
-from conformance.core.trees import flatten
+from conformance.core.trees import Flat, flatten, map_paths
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.generation import step_batch
 from conformance.runtime.live import Side
@@ -66,11 +67,22 @@ def abstract_params(side: Side) -> dict[str, jax.ShapeDtypeStruct]:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """One side's program, lowered on its mesh, and the outputs the compiler places."""
+    """One side's program, lowered on its mesh: its arguments, and how its outputs are laid.
+
+    The arguments the harness passed stay named by their leaves' paths, since a backend
+    packs them in its own order, beside values of its own (its RNG context).
+    """
 
     lowered: jax.stages.Lowered
     placed: Mapping[int, str]
     """``{output position: name}`` of the outputs jit is given no sharding for."""
+    kept: Mapping[int, str]
+    """``{output position: name}`` of the outputs jit keeps in the argument's shardings."""
+    arguments: Mapping[str, Flat]
+    """``{name: {path: abstract leaf}}``: the flat arguments the harness passed."""
+    cache: frozenset[str] = frozenset()
+    """Names among :attr:`arguments` and :attr:`kept` holding a KV cache, whose paths
+    map by the family's path rules rather than as parameters do."""
 
 
 def lowered_forward(side: Side, batch: Batch) -> Program:
@@ -78,8 +90,11 @@ def lowered_forward(side: Side, batch: Batch) -> Program:
 
     The compiler places both outputs: the logits and the sown hidden states.
     """
-    lowered = side.runner.lowered_forward(abstract_params(side), batch)
-    return Program(lowered, {0: "logits", 1: "hidden"})
+    params = abstract_params(side)
+    lowered = side.runner.lowered_forward(params, batch)
+    return Program(
+        lowered, {0: "logits", 1: "hidden"}, {}, {"params": params, "batch": _leaves(batch)}
+    )
 
 
 def lowered_train_step(side: Side, batch: Batch) -> Program:
@@ -91,7 +106,9 @@ def lowered_train_step(side: Side, batch: Batch) -> Program:
     trainer = side.trainer()
     shardings = side.case.shardings(trainer.logical)
     step = trainer.step_fn(trainer.tree(shardings))
-    return Program(step.lower(trainer.abstract(shardings), batch), {1: "metrics"})
+    state = trainer.abstract(shardings)
+    arguments = {"state": _leaves(state), "batch": _leaves(batch)}
+    return Program(step.lower(state, batch), {1: "metrics"}, {0: "state"}, arguments)
 
 
 def lowered_decode_step(side: Side, rows: int) -> Program:
@@ -109,12 +126,48 @@ def lowered_decode_step(side: Side, rows: int) -> Program:
     }
     at = np.zeros((rows, 1), np.int32)
     batch = _abstract(case, step_batch(at, at))
-    lowered = decoder.lowered("decode", abstract_params(side), cache, batch, shardings)
-    return Program(lowered, {0: "logits"})
+    params = abstract_params(side)
+    lowered = decoder.lowered("decode", params, cache, batch, shardings)
+    arguments = {"params": params, "cache": cache, "batch": _leaves(batch)}
+    return Program(lowered, {0: "logits"}, {1: "cache"}, arguments, frozenset({"cache"}))
 
 
-def _unboxed(leaf: Any) -> Any:
-    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+NOT_READ = "(not read by the program)"
+"""The spec :func:`held` gives an argument the compiled program never reads."""
+
+
+def _leaves(tree: Any) -> Flat:
+    """``tree``'s leaves by path, an ``nnx.Variable`` as its value (``None`` kept as a leaf)."""
+    flat = flatten(tree, is_leaf=lambda x: x is None or isinstance(x, nnx.Variable))
+    return {p: v.get_value() if isinstance(v, nnx.Variable) else v for p, v in flat.items()}
+
+
+def _spec(leaf: jax.ShapeDtypeStruct) -> Any:
+    """``leaf``'s sharding as the goldens and reports write it.
+
+    A ``NamedSharding``'s spec as a list with an entry per dimension (``None``, a mesh
+    axis, or axes), no sharding as :data:`NOT_READ`, any other as its text.
+    """
+    sharding = leaf.sharding
+    if sharding is None:
+        return NOT_READ
+    if isinstance(sharding, NamedSharding):
+        return spec_to_json(sharding.spec, len(leaf.shape))
+    return str(sharding)
+
+
+def _specs(side: Side, name: str, flat: Flat, cache: bool = False) -> dict[str, Any]:
+    """``{"<name>/<canonical path>": spec}`` of ``flat``'s abstract leaves.
+
+    A ``cache``'s paths map by the side's path rules; any other by :meth:`Side.canonical`,
+    which also moves layouts and maps state that mirrors the parameters.
+    """
+    if cache:
+        renamed = map_paths(side.path_rules(), flat)
+        canonical = {renamed[p]: leaf for p, leaf in flat.items()}
+    else:
+        canonical = side.canonical(flat)
+    return {"/".join(filter(None, (name, p))): _spec(leaf) for p, leaf in canonical.items()}
 
 
 def placements(side: Side, program: Program, compiled: Any) -> dict[str, Any]:
@@ -127,16 +180,38 @@ def placements(side: Side, program: Program, compiled: Any) -> dict[str, Any]:
     outputs = compiled.out_info
     found: dict[str, Any] = {}
     for position, name in program.placed.items():
-        tree = outputs[position]
-        leaves = flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-        for path, leaf in side.canonical({p: _unboxed(v) for p, v in leaves.items()}).items():
-            sharding = leaf.sharding
-            spec = (
-                spec_to_json(sharding.spec, len(leaf.shape))
-                if isinstance(sharding, NamedSharding)
-                else str(sharding)
-            )
-            found["/".join(filter(None, (name, path)))] = spec
+        found |= _specs(side, name, _leaves(outputs[position]))
+    return found
+
+
+def held(side: Side, program: Program, compiled: Any) -> dict[str, Any]:
+    """The shardings ``compiled`` takes the harness's arguments in and keeps outputs in.
+
+    ``{"<argument or output>/<canonical path>": spec}``, read from the executable: every
+    leaf of the parameters, the train state, the KV cache and the batch as the program
+    takes it (:data:`NOT_READ` for one it never reads), and of the new state or cache
+    as it returns them. An argument position is named by the paths of its leaves; the
+    values a backend passes of its own (its RNG context) are left out. Raises
+    ``LookupError`` when an argument the harness passed is found at no position.
+    """
+    names = {frozenset(flat): name for name, flat in program.arguments.items()}
+    found: dict[str, Any] = {}
+    for info, sharding in zip(compiled.args_info[0], compiled.input_shardings[0], strict=True):
+        flat_info, flat_sharding = _leaves(info), _leaves(sharding)
+        name = names.pop(frozenset(flat_info), None)
+        if name is None:
+            continue
+        abstract = {
+            p: jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=flat_sharding[p])
+            for p, i in flat_info.items()
+        }
+        found |= _specs(side, name, abstract, name in program.cache)
+    if names:
+        missing = ", ".join(sorted(names.values()))
+        raise LookupError(f"{side.name}'s compiled program takes no argument of its {missing}")
+    outputs = compiled.out_info
+    for position, name in program.kept.items():
+        found |= _specs(side, f"new {name}", _leaves(outputs[position]), name in program.cache)
     return found
 
 

@@ -44,6 +44,19 @@ class NnxReplicatesKernel(LlamaFamily):
         return model
 
 
+class NnxMovesKernel(LlamaFamily):
+    """NNX shards block 0's MLP down projection (every block's, scanned) on the mesh axes
+    Linen shards the other dimension on: the same numbers, other collectives."""
+
+    def nnx_module(self, config, rngs):
+        model = super().nnx_module(config, rngs)
+        layers = model.layers if config.scan_layers else model.layers[0]
+        kernel = layers.mlp.down.kernel
+        *stack, rows, columns = kernel.get_metadata()["out_sharding"]
+        kernel.set_metadata(out_sharding=(*stack, columns, rows))
+        return model
+
+
 class ReadOnlyTable(nnx.Variable):
     """A table the model reads and never trains or updates."""
 
