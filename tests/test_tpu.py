@@ -4,6 +4,8 @@ None of these needs libtpu: the compiles for TPU slices run in ``make test-tpu``
 placed shardings are read here from programs compiled for the CPU mesh.
 """
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -24,6 +26,7 @@ from conformance.pytest_plugin import session
 from conformance.pytest_plugin.session import _tpu_targets
 from conformance.runtime.aot import (
     NOT_READ,
+    Program,
     abstract_batch,
     batch_rows,
     held,
@@ -198,6 +201,26 @@ def test_held_shardings_are_read_back_from_the_executable_in_canonical_paths():
     ]
     assert "new cache/layers/0/attn/kv_cache/key" in decode
     assert decode["batch/segment_ids"] == NOT_READ
+
+
+def test_an_output_of_none_has_no_leaves_and_an_unread_argument_says_so():
+    """A forward may return ``None`` for its hidden states (MaxText's does)."""
+    mesh = parse_mesh("data=2,fsdp=2,tensor=2")
+    case = Case.of(families.get("llama"), "tiny", mesh=mesh, devices=mesh.devices())
+    side = live_pair(case)[1]
+    x = jax.ShapeDtypeStruct((8, 4), "float32", sharding=case.batch_sharding())
+    lowered = jax.jit(lambda x, batch: (x, None)).lower(x, {"tokens": x})
+    arguments = {"x": {"": x}, "batch": {"tokens": x}}
+    program = Program(lowered, {0: "logits", 1: "hidden"}, {}, arguments)
+    compiled = lowered.compile()
+    assert placements(side, program, compiled) == {"logits": [["data", "fsdp"], None]}
+    assert held(side, program, compiled) == {
+        "x": [["data", "fsdp"], None],
+        "batch/tokens": NOT_READ,
+    }
+    elsewhere = dataclasses.replace(program, arguments={"x": {"y": x}})
+    with pytest.raises(LookupError, match="takes no argument of its x"):
+        held(side, elsewhere, compiled)
 
 
 class _Refusing:

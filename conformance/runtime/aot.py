@@ -136,9 +136,13 @@ NOT_READ = "(not read by the program)"
 """The spec :func:`held` gives an argument the compiled program never reads."""
 
 
-def _leaves(tree: Any) -> Flat:
-    """``tree``'s leaves by path, an ``nnx.Variable`` as its value (``None`` kept as a leaf)."""
-    flat = flatten(tree, is_leaf=lambda x: x is None or isinstance(x, nnx.Variable))
+def _leaves(tree: Any, nones: bool = False) -> Flat:
+    """``tree``'s leaves by path, an ``nnx.Variable`` as its value.
+
+    ``None`` is no leaf, as in any pytree, unless ``nones`` (the sharding jax gives an
+    argument the program never reads).
+    """
+    flat = flatten(tree, is_leaf=lambda x: (nones and x is None) or isinstance(x, nnx.Variable))
     return {p: v.get_value() if isinstance(v, nnx.Variable) else v for p, v in flat.items()}
 
 
@@ -197,7 +201,7 @@ def held(side: Side, program: Program, compiled: Any) -> dict[str, Any]:
     names = {frozenset(flat): name for name, flat in program.arguments.items()}
     found: dict[str, Any] = {}
     for info, sharding in zip(compiled.args_info[0], compiled.input_shardings[0], strict=True):
-        flat_info, flat_sharding = _leaves(info), _leaves(sharding)
+        flat_info, flat_sharding = _leaves(info), _leaves(sharding, nones=True)
         name = names.pop(frozenset(flat_info), None)
         if name is None:
             continue
