@@ -58,17 +58,20 @@ class LinenTransformer(TransformerLinenPure):
         With ``targets``, a training forward whose loss MaxText's trainer computes:
         with ``num_vocab_tiling > 1`` the decoder sows its final hidden states instead
         of returning logits, and ``vocab_tiling_linen_loss`` reduces them to the
-        summed weighted cross entropy, which is returned.
+        summed weighted cross entropy, which is returned, with the sown collections
+        beside it when the caller asks for any (``mutable``), as ``apply`` returns them.
         """
         if targets is None:
             return super().apply(variables, *args, model_mode=maxtext_mode(mode), **kwargs)
+        asked = kwargs.pop("mutable", False)
+        mutable = ["intermediates", *(c for c in asked or () if c != "intermediates")]
         _, sown = super().apply(
-            variables, *args, model_mode=MODEL_MODE_TRAIN, mutable=["intermediates"], **kwargs
+            variables, *args, model_mode=MODEL_MODE_TRAIN, mutable=mutable, **kwargs
         )
         hidden = sown["intermediates"]["decoder"]["hidden_states"][0]
         data = {"targets": targets, "targets_segmentation": target_weights}
         loss, _ = vocab_tiling_linen_loss(hidden, data, self.config, self, variables, True)
-        return loss
+        return (loss, sown) if asked else loss
 
     def __call__(  # type: ignore[override]
         self,
