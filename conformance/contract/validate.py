@@ -23,7 +23,6 @@ from conformance.contract.family import Family
 from conformance.contract.features import (
     AuxLosses,
     Bridges,
-    CacheAsValue,
     Decode,
     Feature,
     Layouts,
@@ -38,6 +37,7 @@ from conformance.contract.values import (
     DECODE_STYLES,
     PREDICTIONS,
     QUANTIZATION_MODES,
+    CacheAsValue,
     Divergence,
     FamilyError,
 )

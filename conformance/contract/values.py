@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -267,3 +267,32 @@ class Capabilities:
     def preferred_scan_layers(self) -> bool:
         """The family's preferred layer layout: the first of :attr:`scan_layers`."""
         return self.scan_layers[0] if self.scan_layers else False
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheAsValue:
+    """A KV cache the modules take and return as a value, instead of holding it.
+
+    Given as :attr:`Decode.cache`. Every serving call passes the cache as the keyword
+    :attr:`keyword` (``module.apply({"params": p}, tokens, positions, segment_ids,
+    cache=c)`` in Linen, ``model(..., cache=c)`` in NNX) and the modules return
+    ``(logits, cache)``, the cache updated, with the same leaves; called without it
+    (every other check) they return the logits alone. Both decode styles work with it:
+    ``"prefill"`` also passes ``mode``, ``"token"`` calls the modules of
+    :attr:`Decode.config`.
+    """
+
+    init: Callable[[Any, int], Any]
+    """``init(config, batch_size)``: the empty cache of ``batch_size`` rows for the
+    serving ``config``, any pytree of arrays. It wraps the zoo's own signature, e.g.
+    ``lambda config, rows: init_cache(config.length, rows, config.dtype)``. A leaf
+    wrapped in ``flax.linen.LogicallyPartitioned`` (as ``nn.with_logical_partitioning``
+    makes) is placed by its logical axis names; a plain leaf is replicated. It runs
+    traced (jitted, with the cache's shardings), so it may depend only on its
+    arguments."""
+    nnx_init: Callable[[Any, int], Any] | None = None
+    """The NNX side's ``init``, for a cache laid out differently from Linen's (its paths
+    map by :meth:`Family.path_rules`, as parameters do). ``None`` (the default): the
+    same :attr:`init` on both sides."""
+    keyword: str = "cache"
+    """The keyword argument the modules take the cache by."""
