@@ -30,6 +30,7 @@ from conformance.contract import (
     required,
     supports,
     validate,
+    vocab_tiles,
 )
 from conformance.core.failure import CheckFailure
 from conformance.core.roots import Goldens
@@ -685,6 +686,23 @@ def test_topologies_place_production_sizes_and_are_checked_at_load():
         "family 'gpt3' places size '6b' on 'v5p:8x8@production' in Topologies; give a slice "
         "as --tpu names one, without '@production' ('v5p:8x8x8')",
     ]
+
+
+class TiledAtScale(Gpt3Family):
+    """gpt3 whose production workload tiles its vocabulary in 4."""
+
+    def features(self):
+        tiles = VocabTiling(self.vocab_tiling_config, lambda c: 4 if c.num_layers > 2 else 1)
+        return with_features(super().features(), tiles)
+
+
+def test_vocab_tiles_are_whole_logits_unless_the_family_reads_them_from_its_config():
+    family = Gpt3Family()
+    small, large = (family.config(size, scan_layers=True) for size in ("tiny", "6b"))
+    assert vocab_tiles(family, large) == 1
+    tiled = TiledAtScale()
+    assert problems(tiled) == []
+    assert (vocab_tiles(tiled, small), vocab_tiles(tiled, large)) == (1, 4)
 
 
 def test_accepted_precision_changes_are_read_and_checked_at_load():

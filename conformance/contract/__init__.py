@@ -21,6 +21,7 @@ from conformance.contract.declared import (
     spelling,
     supports,
     upgrade_reference,
+    vocab_tiles,
 )
 from conformance.contract.discovery import (
     DISTRIBUTION,
@@ -141,5 +142,6 @@ __all__ = [
     "supports",
     "upgrade_reference",
     "validate",
+    "vocab_tiles",
     "with_features",
 ]

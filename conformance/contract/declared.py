@@ -232,6 +232,12 @@ def production_topologies(family: Family) -> Mapping[str, str]:
     return {} if found is None else dict(found.production)
 
 
+def vocab_tiles(family: Family, config: Any) -> int:
+    """The slices ``config`` computes its training loss in (:class:`VocabTiling`); 1 by default."""
+    found = declared(family, VocabTiling)
+    return 1 if found is None or found.tiles is None else found.tiles(config)
+
+
 def accepted_precision(family: Family) -> tuple[PrecisionChange, ...]:
     """The precision differences ``family`` accepts (:class:`Precision`); none by default."""
     found = declared(family, Precision)

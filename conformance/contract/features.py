@@ -139,10 +139,16 @@ class VocabTiling(Feature):
     capability: ClassVar[str] = "vocab_tiling"
     replaces: ClassVar[tuple[str, str] | None] = ("vocab_tiling_config", "config")
     hooks: ClassVar[dict[str, str]] = {"config": "config(config, tiles)"}
+    optional: ClassVar[dict[str, str]] = {"tiles": "tiles(config)"}
     config: Callable[[Any, int], Any]
     """``config(config, tiles)``: ``config`` whose modules, given ``targets`` and
     ``target_weights`` in a training call, return the summed weighted cross entropy
     computed ``tiles`` slices at a time, holding exactly ``config``'s parameters."""
+    tiles: Callable[[Any], int] | None = None
+    """``tiles(config)``: the slices ``config`` itself computes its training loss in (a
+    production size whose workload tiles the vocabulary), 1 for whole logits; a step
+    compiled for a TPU slice then trains as that workload does. ``None`` (the default):
+    every config computes whole logits."""
 
 
 @dataclasses.dataclass(frozen=True)

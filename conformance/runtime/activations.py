@@ -42,7 +42,7 @@ from jax.sharding import Mesh, PartitionSpec
 from conformance.core.cost import collectives
 from conformance.core.scope import kept
 from conformance.core.sharding import spec_to_json
-from conformance.runtime.aot import abstract_batch, abstract_params
+from conformance.runtime.aot import abstract_batch, abstract_params, workload_trainer
 from conformance.runtime.calls import ModuleCall
 from conformance.runtime.case import BATCH_SIZE
 from conformance.runtime.live import Side
@@ -272,13 +272,14 @@ def activation_table(side: Side, rows: int = BATCH_SIZE) -> Table:
 def step_table(side: Side, rows: int = BATCH_SIZE) -> Table:
     """:func:`activation_table` of ``side``'s train step: its training forward's calls.
 
-    The step of an abstract batch of ``rows`` from an abstract train state, placed as the
-    side places it, compiled once with probes; the partitioner lays the forward's values
-    out knowing the backward pass that follows.
+    The step (:func:`~conformance.runtime.aot.workload_trainer`'s) of an abstract batch of
+    ``rows`` from an abstract train state, placed as the side places it, compiled once
+    with probes; the partitioner lays the forward's values out knowing the backward pass
+    that follows.
     """
     case = side.case
     probes = _Probes(case.devices)
-    trainer = side.trainer()
+    trainer = workload_trainer(side)
     shardings = case.shardings(trainer.logical)
     step = trainer.step_fn_around(probes.around, trainer.tree(shardings))
     return probes.table(step.trace(trainer.abstract(shardings), abstract_batch(case, rows)))

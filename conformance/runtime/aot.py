@@ -27,12 +27,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from conformance.contract import Batch
+from conformance.contract import Batch, vocab_tiles
 from conformance.core.sharding import spec_to_json
 from conformance.core.trees import Flat, flatten, map_paths
 from conformance.runtime.case import BATCH_SIZE, Case
 from conformance.runtime.generation import step_batch
-from conformance.runtime.live import Side
+from conformance.runtime.live import Side, Trainer
 
 
 def batch_rows(case: Case) -> int:
@@ -97,13 +97,23 @@ def lowered_forward(side: Side, batch: Batch) -> Program:
     )
 
 
+def workload_trainer(side: Side) -> Trainer:
+    """``side``'s trainer as the case's config trains, for a step lowered on its mesh.
+
+    Its loss is computed in the slices the config tiles its vocabulary in
+    (:func:`~conformance.contract.vocab_tiles`: a production workload's, such as
+    MaxText's 70B ones), whole logits otherwise.
+    """
+    return side.trainer(vocab_tiles=vocab_tiles(side.case.family, side.case.config))
+
+
 def lowered_train_step(side: Side, batch: Batch) -> Program:
     """``side``'s train step of ``batch`` from an abstract train state, lowered on its mesh.
 
-    The new state keeps the state's shardings; the compiler places the metrics (the
-    loss and the gradients).
+    The step is :func:`workload_trainer`'s. The new state keeps the state's shardings;
+    the compiler places the metrics (the loss and the gradients).
     """
-    trainer = side.trainer()
+    trainer = workload_trainer(side)
     shardings = side.case.shardings(trainer.logical)
     step = trainer.step_fn(trainer.tree(shardings))
     state = trainer.abstract(shardings)
