@@ -13,9 +13,8 @@ logits and hidden states, the step's gradients and loss, the decode call's logit
 come out sharded alike on both sides, leaf by leaf, and so must every leaf the program
 takes in and keeps (the parameters, the train state, the KV cache, the batch), read
 back from the executable, an argument one side never reads included. The failures
-that only exist at real
-size on the real compiler show here: a read-only parameter stacked per layer, a step
-that lost remat, a kernel sharded on another mesh axis.
+that only exist at real size on the real compiler show here: a read-only parameter
+stacked per layer, a step that lost remat, a kernel sharded on other mesh axes.
 """
 
 from __future__ import annotations
