@@ -84,6 +84,10 @@ class Family(abc.ABC):
       :meth:`vocab_tiling_config` also take the keywords ``targets`` and
       ``target_weights`` (``[batch, seq]``) in a training call and then return the
       weighted sum of next-token cross entropy (a float32 scalar) instead of logits.
+      A family whose own configs tile their loss (a production workload's) says how
+      many slices each computes with ``VocabTiling(tiles=...)``, so that a step compiled
+      for a TPU slice (``tpu_compile``) trains as that workload does; without it, every
+      config of the family computes whole logits.
     """
 
     name: str
