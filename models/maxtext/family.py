@@ -395,6 +395,15 @@ _VOCAB_TILING_BRIDGED = Divergence(
     ),
 )
 
+_TILED_70B = MappingProxyType(
+    {
+        "tpu": tuple(
+            f"{size}-v5p-4x4x4-data2-fsdp16-tensor2-scan" for size in ("llama2-70b", "llama3.1-70b")
+        )
+    }
+)
+"""The 70B workloads' production compiles, whose loss tiles the vocabulary."""
+
 _TILED_PRODUCTION_0_2_4 = Divergence(
     "tpu_compile",
     (
@@ -408,11 +417,7 @@ _TILED_PRODUCTION_0_2_4 = Divergence(
         "llama3.1-70b, whose vocabulary is 4x larger), and NNX all-reduces 20 times to "
         "Linen's 14"
     ),
-    {
-        "tpu": tuple(
-            f"{size}-v5p-4x4x4-data2-fsdp16-tensor2-scan" for size in ("llama2-70b", "llama3.1-70b")
-        )
-    },
+    _TILED_70B,
 )
 
 
@@ -425,11 +430,7 @@ _TILED_PRODUCTION_BRIDGED = Divergence(
         "path that is None inside vocab_tiling_nnx_loss's scan); on 0.2.4 both sides "
         "compile it"
     ),
-    {
-        "tpu": tuple(
-            f"{size}-v5p-4x4x4-data2-fsdp16-tensor2-scan" for size in ("llama2-70b", "llama3.1-70b")
-        )
-    },
+    _TILED_70B,
 )
 
 
