@@ -301,7 +301,8 @@ class StringsNotDivergences(Gpt3Family):
 def test_known_divergences_that_are_no_divergence_values_fail_at_load():
     assert problems(StringsNotDivergences()) == [
         "family 'gpt3' declares known_divergences with entries that are not "
-        "Divergence(check: str, reason: str, where: Mapping): ['layout[remat]']"
+        "Divergence(check: str, reason: str, where: Mapping, shows: str | None): "
+        "['layout[remat]']"
     ]
     assert problems(Typed()) == []
 

@@ -141,11 +141,29 @@ def _divergences(family: Family) -> list[str]:
             or not isinstance(d.check, str)
             or not isinstance(d.reason, str)
             or not isinstance(d.where, Mapping)
+            or not isinstance(d.shows, str | None)
         ]
-        what = "entries that are not Divergence(check: str, reason: str, where: Mapping)"
-    if not wrong:
-        return []
-    return [f"family {family.name!r} declares known_divergences with {what}: {wrong[:3]!r}"]
+        what = (
+            "entries that are not "
+            "Divergence(check: str, reason: str, where: Mapping, shows: str | None)"
+        )
+    if wrong:
+        return [f"family {family.name!r} declares known_divergences with {what}: {wrong[:3]!r}"]
+    return [
+        f"family {family.name!r} declares a known divergence of {d.check} that shows "
+        f"{d.shows!r}, which is no regular expression: {err}"
+        for d in declared
+        if isinstance(d, Divergence) and (err := _pattern_error(d.shows)) is not None
+    ]
+
+
+def _pattern_error(pattern: str | None) -> str | None:
+    """Why ``pattern`` is no regular expression, or ``None`` if it is one (or is ``None``)."""
+    try:
+        re.compile(pattern or "")
+    except re.error as err:
+        return str(err)
+    return None
 
 
 def _decoding(family: Family) -> list[str]:

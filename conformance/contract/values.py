@@ -150,11 +150,17 @@ class Divergence:
     (``{"quant": ("ptq_int8", "ptq_fp8")}``). An empty ``where`` selects every test of
     the check. The check, each name and each value are checked when the suite is
     collected: one that selects no test is a usage error, never a silent no-op.
+
+    ``shows`` holds the finding to its words: a regular expression the failure's message
+    (``TypeError: ...``, or a check's report) must contain. A test it selects that fails
+    otherwise fails, as any failure would, so a declared divergence never hides another
+    one. Without it, any failure of a selected test counts as the finding.
     """
 
     check: str
     reason: str
     where: Mapping[str, Any] = MappingProxyType({})
+    shows: str | None = None
 
     def options(self, name: str) -> tuple[Any, ...]:
         """The values ``where`` accepts for ``name``, any of which matches."""

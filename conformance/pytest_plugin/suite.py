@@ -211,15 +211,31 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     """Show a :class:`CheckFailure` as its report alone: the message is the product.
 
     A registered check's skip is reported at the suite, not at its module, so pytest's
-    summary folds every skip of one reason into one line with its count.
+    summary folds every skip of one reason into one line with its count. An expected
+    failure that fails without the words its divergence shows is a failure, saying so;
+    one that fails with them names, beside its reason, the failure that stood for it.
     """
     report = yield
     if call.excinfo is not None and call.excinfo.errisinstance(CheckFailure):
         report.longrepr = str(call.excinfo.value)
     planned = planned_of(item)
+    if call.excinfo is not None and hasattr(report, "wasxfail") and planned is not None:
+        failure = call.excinfo.exconly()
+        expected = planned.expected()
+        if expected is not None and (why := expected.unshown(failure)):
+            report.outcome, report.longrepr = "failed", why
+            del report.wasxfail
+        else:
+            report.wasxfail = f"{report.wasxfail} (failed: {_first_line(failure)})"
     if report.skipped and isinstance(report.longrepr, tuple) and planned and planned.registered:
         report.longrepr = (str(SUITE), None, report.longrepr[2])
     return report
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    """The first line of ``text``, cut to ``limit`` characters with an ellipsis."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else f"{line[: limit - 3]}..."
 
 
 def progress_label(item: pytest.Item) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -14,10 +15,27 @@ from conformance.core.failure import CheckFailure
 
 @dataclasses.dataclass(frozen=True)
 class ExpectedFailure:
-    """Why a test is expected to fail: a strict xfail, optionally of one exception type."""
+    """Why a test is expected to fail: a strict xfail, optionally of one exception type.
+
+    ``shows``, if set, is a regular expression the failure's message must contain
+    (:attr:`~conformance.contract.Divergence.shows`).
+    """
 
     reason: str
     raises: type[BaseException] | None = None
+    shows: str | None = None
+
+    def unshown(self, failure: str) -> str | None:
+        """Why ``failure`` (an exception's ``Type: message``) is not this one, or ``None``.
+
+        Every failure is the expected one unless ``shows`` asks for words it lacks.
+        """
+        if self.shows is None or re.search(self.shows, failure, re.DOTALL):
+            return None
+        return (
+            f"expected to fail ({self.reason}) with a message showing {self.shows!r}, "
+            f"it failed otherwise: {failure}"
+        )
 
 
 def expected_failure(
@@ -40,7 +58,8 @@ def expected_failure(
     typed, first_edition = divergences(family.known_divergences)
     for divergence in typed:
         if divergence.selects(check.name, parts, values):
-            return ExpectedFailure(f"{family.name} known divergence: {divergence.reason}")
+            reason = f"{family.name} known divergence: {divergence.reason}"
+            return ExpectedFailure(reason, shows=divergence.shows)
     for key in first_edition:
         if key.marks(check.name, case_id):
             return ExpectedFailure(f"{family.name} known divergence: {key.reason}")

@@ -1,0 +1,96 @@
+"""A declared divergence held to its words: a failure without them is a failure, not it."""
+
+import pytest
+
+from conformance.checks import registry
+from conformance.contract import problems
+from conformance.families import Divergence
+from conformance_models.gpt3.family import Gpt3Family
+
+OWN_TESTS = """
+def test_shown(family):
+    raise TypeError("the head's gradient is replicated")
+
+
+def test_other_words(family):
+    raise TypeError("'NoneType' object has no attribute 'path'")
+
+
+def test_any_words(family):
+    raise KeyError("anything")
+"""
+
+
+class Worded(Gpt3Family):
+    known_divergences = (
+        Divergence("shown", "the finding", shows=r"gradient is replicated"),
+        Divergence("other_words", "the finding", shows=r"gradient is replicated"),
+        Divergence("any_words", "a finding declared without its words"),
+    )
+
+
+def test_an_expected_failure_with_its_words_is_the_finding_and_otherwise_says_why():
+    expected = registry.ExpectedFailure("gpt3 known divergence: x", shows=r"replicated \[")
+    assert expected.unshown("CheckFailure: head replicated [None, None]") is None
+    assert expected.unshown("TypeError: no") == (
+        "expected to fail (gpt3 known divergence: x) with a message showing 'replicated \\\\[', "
+        "it failed otherwise: TypeError: no"
+    )
+    assert registry.ExpectedFailure("any").unshown("TypeError: no") is None
+
+
+def test_a_divergence_carries_its_words_to_the_tests_it_marks():
+    class Costly(Gpt3Family):
+        known_divergences = (Divergence("hygiene", "keeps a counter", shows="counter"),)
+
+    found = registry.expected_failure(registry.get("hygiene"), Costly(), {}, "gpt3-fsdp8-loop")
+    assert found is not None
+    assert found.shows == "counter"
+    assert found.reason == "gpt3 known divergence: keeps a counter"
+
+
+def test_words_that_are_no_regular_expression_fail_at_load():
+    class Unbalanced(Gpt3Family):
+        known_divergences = (Divergence("hygiene", "why", shows="replicated ["),)
+
+    class NotWords(Gpt3Family):
+        known_divergences = (Divergence("hygiene", "why", shows=3),)  # type: ignore[arg-type]
+
+    assert problems(Unbalanced()) == [
+        "family 'gpt3' declares a known divergence of hygiene that shows 'replicated [', which "
+        "is no regular expression: unterminated character set at position 11"
+    ]
+    assert problems(NotWords()) == [
+        "family 'gpt3' declares known_divergences with entries that are not Divergence(check: "
+        "str, reason: str, where: Mapping, shows: str | None): "
+        "[Divergence(check='hygiene', reason='why', where=mappingproxy({}), shows=3)]"
+    ]
+
+
+def test_a_test_failing_without_its_divergences_words_fails_saying_so(pytester, monkeypatch):
+    monkeypatch.setattr(Gpt3Family, "known_divergences", Worded.known_divergences)
+    pytester.makepyfile(OWN_TESTS)
+    result = pytester.runpytest(
+        "--conformance-family", "gpt3", "--conformance-tier", "default", "-rx"
+    )
+    result.assert_outcomes(xfailed=2, failed=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*expected to fail (gpt3 known divergence: the finding) with a message showing "
+            "'gradient is replicated', it failed otherwise: TypeError: 'NoneType' object has "
+            "no attribute 'path'",
+            "XFAIL *test_shown* - gpt3 known divergence: the finding (failed: TypeError: the "
+            "head's gradient is replicated)",
+            "XFAIL *test_any_words* - gpt3 known divergence: a finding declared without its "
+            "words (failed: KeyError: 'anything')",
+        ]
+    )
+
+
+@pytest.mark.parametrize("shows", [r"gradient is replicated", r"TypeError: the head's"])
+def test_words_match_anywhere_in_the_type_and_message(pytester, monkeypatch, shows):
+    worded = (Divergence("shown", "the finding", shows=shows),)
+    monkeypatch.setattr(Gpt3Family, "known_divergences", worded)
+    pytester.makepyfile(OWN_TESTS.split("\n\n\ndef test_other_words")[0])
+    result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-tier", "default")
+    result.assert_outcomes(xfailed=1)
