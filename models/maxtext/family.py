@@ -866,25 +866,6 @@ class MaxTextGemma2(MaxTextFamily):
                 ),
             ),
             "0.2.5": (
-                Divergence(
-                    "recorded_quant_forward",
-                    "maxtext 0.2.5's gemma2 attention computes differently from 0.2.4's (the "
-                    "scanned NNX forward's compiled flops are 2.129x 0.2.4's, bytes accessed "
-                    "1.562x: cost golden): the float forward still agrees with 0.2.4's "
-                    "recordings within tolerance, but Qwix's qat_int8 forward moves by up to "
-                    "3.8e-2 in the logits (6,129 of 32,768 against recorded NNX, 4,343 "
-                    "against recorded Linen), on both live sides alike",
-                    {"quant": "qat_int8"},
-                ),
-                Divergence(
-                    "recorded_resume",
-                    "resumed from 0.2.4's recorded Linen state, step 3's token-embedding "
-                    "gradient is 1.06e-5 from the recording in one element (atol 1e-5), on "
-                    "both live sides alike: "
-                    + _BF16_ROUNDED
-                    + ", and 0.2.5 reorders the sum by a rounding step",
-                    {"recorded": "linen"},
-                ),
                 *_EXPLICIT_SCAN,
                 *_EXPLICIT_LAYOUTS,
                 *_EXPLICIT_KV_CACHE,
