@@ -329,6 +329,24 @@ _PTQ_LINEN = (
 
 
 _PTQ = MappingProxyType({"quant": ("ptq_int8", "ptq_fp8")})
+_NO_PATH = r"AttributeError.*'NoneType' object has no attribute 'path'"
+"""The words of the bridged Linen face's failure inside a tiled loss (``shows``)."""
+_STATIC_STATE = r"State.* assigned to static attribute 'quant_einsum_wi_0'"
+"""The words of 0.2.5's routed MoE failing to build through the bridge with AQT."""
+_DUPLICATE_RNGS = (
+    r"raised ValueError while building the model.*Duplicate RngCount"
+    r"|shared references, which tree mode cannot hold: Rngs at"
+)
+"""The words of a tree-mode build meeting a shared ``nnx.Rngs`` (the ``tree_mode`` check
+names the references themselves)."""
+_CARRY_TYPES = r"TypeError.*scan body function carry input and carry output must have equal"
+"""The words of the layer scan losing the carry's layout on explicit axes."""
+_BATCH_SHARDING = (
+    r"ShardingTypeError.*dot_general requires lhs batch dimensions and rhs batch dimensions "
+    r"to have the same sharding"
+)
+"""The words of deepseek3's RMSNorm einsum on explicit axes split over tensor."""
+
 _SCAN = MappingProxyType({"scan_layers": True})
 _LOOP = MappingProxyType({"scan_layers": False})
 _MESH3 = MappingProxyType({"mesh": "data2-fsdp2-tensor2"})
@@ -393,6 +411,7 @@ _VOCAB_TILING_BRIDGED = Divergence(
         "vocab_tiling_nnx_loss's scan: the bridged Linen step raises \"AttributeError: "
         "'NoneType' object has no attribute 'path'\"; the NNX step trains tiled"
     ),
+    shows=_NO_PATH,
 )
 
 _TILED_70B = MappingProxyType(
@@ -431,6 +450,7 @@ _TILED_PRODUCTION_BRIDGED = Divergence(
         "compile it"
     ),
     _TILED_70B,
+    shows=_NO_PATH,
 )
 
 
@@ -466,10 +486,11 @@ def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> tuple[Di
     reason = _TREE_MODE_SHARED_RNGS.format(release=release, where=where, to=to)
     on_pair = {**narrowed, "pair": "graph-vs-tree"}
     everywhere = () if narrowed else _IN_THE_PREFERRED_LAYOUT
+    shown = _DUPLICATE_RNGS
     return (
-        Divergence("tree_mode", reason, narrowed),
-        *(Divergence(check, reason, on_pair) for check in _ON_THE_TREE_PAIR),
-        *(Divergence(check, reason, {"pair": "graph-vs-tree"}) for check in everywhere),
+        Divergence("tree_mode", reason, narrowed, shown),
+        *(Divergence(check, reason, on_pair, shown) for check in _ON_THE_TREE_PAIR),
+        *(Divergence(check, reason, {"pair": "graph-vs-tree"}, shown) for check in everywhere),
     )
 
 
@@ -494,25 +515,29 @@ _ON_THE_EXPLICIT_PAIR = ("forward", "train_step", "decode", "cost", "activation_
 
 
 def _on_explicit_axes(
-    reason: str, checks: tuple[str, ...] = _ON_THE_EXPLICIT_PAIR, **narrowed: Any
+    reason: str,
+    checks: tuple[str, ...] = _ON_THE_EXPLICIT_PAIR,
+    shows: str | None = None,
+    **narrowed: Any,
 ) -> tuple[Divergence, ...]:
     """``reason`` for each of ``checks`` on the ``auto-vs-explicit`` pair, as ``narrowed``.
 
     The ``explicit_sharding`` check, which runs on no pair, is narrowed without one;
-    ``cost``, which runs on the primary mesh alone, without a mesh.
+    it and ``cost``, which run on the primary mesh alone, without a mesh. Each failure must
+    contain ``shows``, if given.
     """
     on_pair = {**narrowed, "pair": "auto-vs-explicit"}
     where = {
-        "explicit_sharding": narrowed,
+        "explicit_sharding": {name: value for name, value in narrowed.items() if name != "mesh"},
         "cost": {name: value for name, value in on_pair.items() if name != "mesh"},
     }
-    return tuple(Divergence(check, reason, where.get(check, on_pair)) for check in checks)
+    return tuple(Divergence(check, reason, where.get(check, on_pair), shows) for check in checks)
 
 
-def _resumed_on_explicit_axes(reason: str) -> tuple[Divergence, ...]:
+def _resumed_on_explicit_axes(reason: str, shows: str) -> tuple[Divergence, ...]:
     """``reason`` for the checks run in the preferred (scanned) layout alone, explicitly."""
     return tuple(
-        Divergence(check, reason, {"pair": "auto-vs-explicit"})
+        Divergence(check, reason, {"pair": "auto-vs-explicit"}, shows)
         for check in _IN_THE_PREFERRED_LAYOUT
     )
 
@@ -525,7 +550,7 @@ _SCAN_UNTRACED = (
     "64@tensor in, whole out). Unrolled layers trace"
 )
 _EXPLICIT_SCAN = _on_explicit_axes(
-    _SCAN_UNTRACED, ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR), **_SCAN
+    _SCAN_UNTRACED, ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR), _CARRY_TYPES, **_SCAN
 )
 _LAYOUTS_UNRESOLVED = (
     "a harness limit, not a MaxText finding: on auto axes MaxText's activation "
@@ -559,7 +584,15 @@ _NORM_UNALIGNED = (
     "(layers/moe.py, dense_matmul) raises next: contracting dimensions split over tensor "
     "on both operands, no out_sharding. On fsdp8 deepseek3 agrees with auto axes"
 )
-_EXPLICIT_NORM = _on_explicit_axes(_NORM_UNALIGNED, **_LOOP, **_MESH3)
+_EXPLICIT_NORM = _on_explicit_axes(_NORM_UNALIGNED, shows=_BATCH_SHARDING, **_LOOP, **_MESH3)
+_NORM_FIRST = "with scanned layers too, the explicit side raises first at deepseek3's RMSNorm: "
+_EXPLICIT_SCANNED_NORM = _on_explicit_axes(
+    _NORM_FIRST + _NORM_UNALIGNED,
+    ("explicit_sharding", *_ON_THE_EXPLICIT_PAIR),
+    _BATCH_SHARDING,
+    **_SCAN,
+    **_MESH3,
+)
 
 
 def _releases(
@@ -686,7 +719,7 @@ class MaxTextLlama2(MaxTextFamily):
                 *_EXPLICIT_SCAN,
                 *_EXPLICIT_LAYOUTS,
                 *_EXPLICIT_KV_CACHE,
-                *_resumed_on_explicit_axes(_SCAN_UNTRACED),
+                *_resumed_on_explicit_axes(_SCAN_UNTRACED, _CARRY_TYPES),
             ),
         },
         _TREE_MODE_DECODER,
@@ -752,11 +785,11 @@ class MaxTextDeepseek3(MaxTextFamily):
                 ),
             ),
             "0.2.5": (
-                Divergence("aqt_forward", _MOE_AQT_BRIDGED, _LOOP),
-                Divergence("aqt_train_step", _MOE_AQT_BRIDGED, _LOOP),
-                Divergence("aqt_convert", _MOE_AQT_BRIDGED),
-                Divergence("aqt_serve", _MOE_AQT_BRIDGED),
-                Divergence("aqt_layout", _MOE_AQT_BRIDGED, _LOOP),
+                Divergence("aqt_forward", _MOE_AQT_BRIDGED, _LOOP, _STATIC_STATE),
+                Divergence("aqt_train_step", _MOE_AQT_BRIDGED, _LOOP, _STATIC_STATE),
+                Divergence("aqt_convert", _MOE_AQT_BRIDGED, shows=_STATIC_STATE),
+                Divergence("aqt_serve", _MOE_AQT_BRIDGED, shows=_STATIC_STATE),
+                Divergence("aqt_layout", _MOE_AQT_BRIDGED, _LOOP, _STATIC_STATE),
                 Divergence(
                     "grad_accumulation",
                     "4 micro-batches against the whole batch: "
@@ -764,11 +797,9 @@ class MaxTextDeepseek3(MaxTextFamily):
                     _MESH3,
                 ),
                 *_EXPLICIT_NORM,
+                *_EXPLICIT_SCANNED_NORM,
                 *_EXPLICIT_SCAN,
-                *_resumed_on_explicit_axes(
-                    "with scanned layers too, the explicit side raises first at deepseek3's "
-                    "RMSNorm: " + _NORM_UNALIGNED
-                ),
+                *_resumed_on_explicit_axes(_NORM_FIRST + _NORM_UNALIGNED, _BATCH_SHARDING),
                 *_on_explicit_axes(
                     "on data=2,fsdp=2,tensor=2 the explicit side raises first, at "
                     "deepseek3's RMSNorm (as forward does on the auto-vs-explicit pair); on "
@@ -869,7 +900,7 @@ class MaxTextGemma2(MaxTextFamily):
                 *_EXPLICIT_SCAN,
                 *_EXPLICIT_LAYOUTS,
                 *_EXPLICIT_KV_CACHE,
-                *_resumed_on_explicit_axes(_SCAN_UNTRACED),
+                *_resumed_on_explicit_axes(_SCAN_UNTRACED, _CARRY_TYPES),
                 *_on_explicit_axes(
                     "a partitioning problem of the auto side, not of explicit axes: "
                     + _PARTITIONED.format(gap=0.12, leaf="self_attention_local/query/kernel")
