@@ -392,6 +392,7 @@ _VOCAB_TILING = Divergence(
         "to 154x on deepseek3; the loss itself is right, and both backends alike (tiled "
         "Linen and NNX agree to 1.1e-5)"
     ),
+    shows=r"one step on mesh \S+: \d+ leaf\(s\) disagree",
 )
 _MOE_FP8 = (
     "the routed MoE's dense path (layers/moe.py aqt_einsum) builds its einsum at call time "
