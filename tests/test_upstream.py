@@ -148,3 +148,72 @@ def _broadcast_counter_after_scan(graph: bool) -> float:
 )
 def test_scan_updates_a_broadcast_variable_alike_in_both_modes():
     assert _broadcast_counter_after_scan(True) == _broadcast_counter_after_scan(False)
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+        self.linear = nnx.Linear(4, 4, kernel_init=init, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear(x)
+
+
+class _Stack(nnx.Module):
+    """Two blocks stacked on a ``layers`` axis and scanned, as the built-ins stack them."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.transform_metadata(in_axes=None, out_axes=0, partition="layers")
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs) -> _Block:
+            return _Block(rngs)
+
+        self.layers = create(rngs)
+        self.seen: list[tuple[str, ...]] = []
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        def body(x: jax.Array, block: _Block) -> tuple[jax.Array, None]:
+            self.seen.append(block.linear.kernel.get_metadata()["out_sharding"])
+            return block(x), None
+
+        metadata = {nnx.PARTITION_NAME: "layers"}
+        scan = nnx.scan(
+            body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=metadata
+        )
+        return scan(x, self.layers)[0]
+
+
+_SCAN_METADATA = (
+    "flax 0.12.12: outside graph mode with graph updates (NNX tree mode), nnx.scan ignores "
+    "its transform_metadata argument, so inside the scanned body a stacked parameter keeps "
+    "the 'layers' name on its one layer's value (('layers', 'embed', 'mlp') on a [4, 4] "
+    "kernel); graph mode removes it"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_SCAN_METADATA)
+def test_scan_transform_metadata_in_tree_mode():
+    with nnx.set_graph_mode(False), nnx.set_graph_updates(False), nnx.use_eager_sharding(False):
+        stack = _Stack(nnx.Rngs(0))
+        stack(jnp.ones((2, 4)))
+    assert stack.seen == [("embed", "mlp")]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=_SCAN_METADATA + ". qwix 0.1.8's PTQ reads that name inside the body and stops "
+    "(flax_util.update_sharding: shape=(4, 4) spec=('layers', 'embed', 'mlp')), so "
+    "quant_checkpoint fails on the built-ins' scanned layers in tree mode; graph mode quantizes",
+)
+def test_qwix_ptq_of_scanned_layers_in_tree_mode():
+    import qwix
+
+    rule = qwix.QuantizationRule(module_path=".*", weight_qtype=jnp.int8, act_qtype=jnp.int8)
+    with nnx.set_graph_mode(False), nnx.set_graph_updates(False), nnx.use_eager_sharding(False):
+        quantized = qwix.quantize_model(
+            _Stack(nnx.Rngs(0)), qwix.PtqProvider([rule]), jnp.ones((2, 4))
+        )
+    qvalue = quantized.layers.linear.kernel.array.qvalue
+    assert (qvalue.shape, qvalue.dtype) == ((2, 4, 4), jnp.int8)
