@@ -220,7 +220,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.longrepr = str(call.excinfo.value)
     planned = planned_of(item)
     if call.excinfo is not None and hasattr(report, "wasxfail") and planned is not None:
-        failure = call.excinfo.exconly()
+        failure = f"{call.excinfo.typename}: {call.excinfo.value}"
         expected = planned.expected()
         if expected is not None and (why := expected.unshown(failure)):
             report.outcome, report.longrepr = "failed", why
