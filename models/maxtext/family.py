@@ -487,11 +487,13 @@ def _shared_rngs(release: str, where: str, to: str, **narrowed: Any) -> tuple[Di
     reason = _TREE_MODE_SHARED_RNGS.format(release=release, where=where, to=to)
     on_pair = {**narrowed, "pair": "graph-vs-tree"}
     everywhere = () if narrowed else _IN_THE_PREFERRED_LAYOUT
-    shown = _DUPLICATE_RNGS
     return (
-        Divergence("tree_mode", reason, narrowed, shown),
-        *(Divergence(check, reason, on_pair, shown) for check in _ON_THE_TREE_PAIR),
-        *(Divergence(check, reason, {"pair": "graph-vs-tree"}, shown) for check in everywhere),
+        Divergence("tree_mode", reason, narrowed, _DUPLICATE_RNGS),
+        *(Divergence(check, reason, on_pair, _DUPLICATE_RNGS) for check in _ON_THE_TREE_PAIR),
+        *(
+            Divergence(check, reason, {"pair": "graph-vs-tree"}, _DUPLICATE_RNGS)
+            for check in everywhere
+        ),
     )
 
 
