@@ -1,9 +1,12 @@
 """A declared divergence held to its words: a failure without them is a failure, not it."""
 
+import dataclasses
+
 import pytest
 
 from conformance.checks import registry
 from conformance.contract import problems
+from conformance.core.failure import CheckFailure
 from conformance.families import Divergence
 from conformance_models.gpt3.family import Gpt3Family
 
@@ -94,3 +97,31 @@ def test_words_match_anywhere_in_the_type_and_message(pytester, monkeypatch, sho
     pytester.makepyfile(OWN_TESTS.split("\n\n\ndef test_other_words")[0])
     result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-tier", "default")
     result.assert_outcomes(xfailed=1)
+
+
+def test_a_known_library_failure_holds_the_check_to_its_words():
+    scanned = {"family": Gpt3Family(), "scan_layers": True}
+    found = registry.expected_failure(registry.get("aqt_layout"), Gpt3Family(), scanned, "")
+    assert found is not None
+    assert found.raises is CheckFailure
+    assert found.reason.startswith("flax 0.12.12 + aqtp 0.9.0: nnx.vmap's transform_metadata")
+    other = "CheckFailure: gpt3 aqt_layout: frozen kernels: 1 difference(s)"
+    assert found.unshown(other) is not None
+    unnamed = "CheckFailure: gpt3 aqt_layout: frozen leaves whose sharding cannot be resolved"
+    assert found.unshown(f"{unnamed}\n  NNX a/qvalue: logical names ...") is None
+
+
+def test_a_family_finding_comes_before_the_library_failure_on_the_same_test():
+    class Static(Gpt3Family):
+        known_divergences = (Divergence("aqt_layout", "static AQT state", shows="static"),)
+
+    scanned = {"family": Static(), "scan_layers": True}
+    found = registry.expected_failure(registry.get("aqt_layout"), Static(), scanned, "")
+    reason = "gpt3 known divergence: static AQT state"
+    assert found == registry.ExpectedFailure(reason, None, "static")
+
+
+def test_a_checks_known_failure_given_as_a_reason_alone_takes_any_check_failure():
+    check = dataclasses.replace(registry.get("hygiene"), known_failure=lambda values: "why")
+    found = registry.expected_failure(check, Gpt3Family(), {}, "")
+    assert found == registry.ExpectedFailure("why", CheckFailure)

@@ -32,7 +32,7 @@ from conformance.checks.kernel import (
     train_step_parity,
 )
 from conformance.contract import Aqt, required
-from conformance.core.failure import fail, fail_if_any
+from conformance.core.failure import KnownFailure, fail, fail_if_any
 from conformance.core.numerics import EXACT, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import PathMapError, map_paths, structure_diff
@@ -64,7 +64,7 @@ def aqt_pair(case: Case) -> tuple[AqtModel, AqtModel, dict[str, str]]:
     return a, b, mapping
 
 
-def _known_failure(values: Mapping[str, Any]) -> str | None:
+def _known_failure(values: Mapping[str, Any]) -> KnownFailure | None:
     return known_failure("aqt_layout", values["scan_layers"])
 
 

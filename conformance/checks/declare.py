@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from conformance.checks import raised
 from conformance.contract import Family
-from conformance.core.failure import CheckFailure, checking, fail
+from conformance.core.failure import CheckFailure, KnownFailure, checking, fail
 from conformance.runtime.case import Case
 from conformance.runtime.sides import SIDES
 
@@ -118,8 +118,10 @@ class Check:
     references: bool = False
     """The check compares with a recorded reference: it is given the recorded backend
     (``recorded``, an axis) and the directory references live in (``references``)."""
-    known_failure: Callable[[Mapping[str, Any]], str | None] | None = None
-    """Why a case fails with the pinned libraries (a strict xfail), by its axis values."""
+    known_failure: Callable[[Mapping[str, Any]], KnownFailure | str | None] | None = None
+    """Why a case fails with the pinned libraries (a strict xfail), by its axis values: a
+    :class:`~conformance.core.failure.KnownFailure` holds the words its report must show,
+    a reason alone lets any check failure stand for it."""
     requires: Callable[[Family], str | None] | None = None
     """Why a family cannot run this check beyond its capabilities (a skip reason)."""
     given: tuple[str, ...] = ()

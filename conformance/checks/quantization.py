@@ -32,7 +32,7 @@ from conformance.checks.kernel import (
 )
 from conformance.contract import Family, quantization_modes
 from conformance.core.distributed import host_array
-from conformance.core.failure import fail, fail_if_any
+from conformance.core.failure import KnownFailure, fail, fail_if_any
 from conformance.core.numerics import EXACT, Mismatch, compare_arrays, compare_trees
 from conformance.core.records import failed
 from conformance.core.trees import flatten_state, variable_kind
@@ -59,7 +59,7 @@ def quantized_pair(case: Case) -> tuple[Side, Side]:
     return linen, nnx_
 
 
-def _known_failure(values: Mapping[str, Any]) -> str | None:
+def _known_failure(values: Mapping[str, Any]) -> KnownFailure | None:
     if values["quant"] is None:  # the family declares no mode: the test skips
         return None
     return known_failure(values["quant"], values["scan_layers"])

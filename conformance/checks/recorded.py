@@ -23,6 +23,7 @@ explains) passes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from conformance.checks.kernel import (
 )
 from conformance.contract import preferred_layout
 from conformance.core.distributed import host_array
-from conformance.core.failure import fail, fail_if_any
+from conformance.core.failure import KnownFailure, fail, fail_if_any
 from conformance.core.numerics import compare_arrays, compare_trees, report, tolerance_for
 from conformance.core.records import emit_verdict
 from conformance.core.rounding import RECORDED_ERROR_SPREAD
@@ -70,7 +71,7 @@ _LIVE = (("backend", tuple(Param(f"live-{backend}", backend) for backend in SIDE
 def _against_recorded(
     axes: tuple[Axis, ...] = (Axis.FAMILY, Axis.RECORDED),
     capability: str | None = None,
-    known_failure: Callable[[Mapping[str, Any]], str | None] | None = None,
+    known_failure: Callable[[Mapping[str, Any]], KnownFailure | None] | None = None,
 ) -> Callable[[F], F]:
     """Declare a check of each live backend against a recorded reference, on the primary mesh."""
     return declare(
@@ -84,14 +85,18 @@ def _against_recorded(
     )
 
 
-def _known_qwix_failure(values: Mapping[str, Any]) -> str | None:
+def _known_qwix_failure(values: Mapping[str, Any]) -> KnownFailure | None:
     """A mode the pinned Qwix computes wrongly in the layout references are recorded in.
 
-    The recorder leaves those logits out (its manifest's ``not_recorded`` says why).
+    The recorder leaves those logits out (its manifest's ``not_recorded`` says why), so
+    the check fails finding none.
     """
     if values["quant"] is None:
         return None
-    return quant_failure(values["quant"], preferred_layout(values["family"]))
+    known = quant_failure(values["quant"], preferred_layout(values["family"]))
+    if known is None:
+        return None
+    return dataclasses.replace(known, shows=rf"holds no {values['quant']} logits")
 
 
 @_against_recorded()

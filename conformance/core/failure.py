@@ -20,6 +20,18 @@ class CheckFailure(AssertionError):
 
 
 @dataclasses.dataclass(frozen=True)
+class KnownFailure:
+    """Why the pinned libraries make a check fail, and the words its report must show.
+
+    ``shows`` is a regular expression the :class:`CheckFailure`'s ``Type: message`` must
+    contain, so a known library failure never stands for another failure of its test.
+    """
+
+    reason: str
+    shows: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Subject:
     """What a failure is about: a family and one of its checks."""
 

@@ -22,6 +22,7 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.contract import Aqt, Batch, Family, required
+from conformance.core.failure import KnownFailure
 from conformance.core.scope import scoped
 from conformance.core.sharding import Logical, linen_logical
 from conformance.core.trees import Flat, LeafSpec, flatten, flatten_state, join_path, refill, specs
@@ -166,15 +167,20 @@ class NnxAqt(AqtModel):
         return _frozen_flat(flatten_state(collected))
 
 
-def known_failure(check: str, scan_layers: bool) -> str | None:
+_UNNAMED = r"CheckFailure: .* aqt_layout: frozen leaves whose sharding cannot be resolved"
+"""The words of scanned NNX frozen kernels that keep their per-layer logical names."""
+
+
+def known_failure(check: str, scan_layers: bool) -> KnownFailure | None:
     """Why ``check`` cannot pass on this layer layout with the pinned libraries, if so."""
     if check == "aqt_layout" and scan_layers:
-        return (
+        return KnownFailure(
             "flax 0.12.12 + aqtp 0.9.0: nnx.vmap's transform_metadata adds the 'layers' axis "
             "to Variable metadata only, but AQT keeps each frozen tensor's logical names "
             "inside the bridged 'aqt' Variable's QTensor value, so scanned NNX frozen kernels "
             "keep per-layer names (3 names for the 4-dim attn/out qvalue) and cannot be "
-            "sharded; Linen's nn.scan adds 'layers' to them"
+            "sharded; Linen's nn.scan adds 'layers' to them",
+            _UNNAMED,
         )
     return None
 

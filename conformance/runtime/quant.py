@@ -18,6 +18,7 @@ from flax import linen as nn
 from flax import nnx
 
 from conformance.contract import QuantScope
+from conformance.core.failure import KnownFailure
 from conformance.core.seams import seam
 from conformance.runtime.sowing import outside_capture
 
@@ -59,14 +60,19 @@ MODES: dict[str, QuantMode] = {
 """Every mode the suite knows, by name."""
 
 
-def known_failure(quant: str, scan_layers: bool) -> str | None:
+_WRONG_SCALES = r"CheckFailure: .* {quant} quantized parameters on mesh \S+: .*/scale"
+"""The words of Linen's stacked scales disagreeing with NNX's, for a mode ``quant``."""
+
+
+def known_failure(quant: str, scan_layers: bool) -> KnownFailure | None:
     """Why ``quant`` cannot pass on this layer layout with the pinned libraries, if so."""
     if MODES[quant].method == "ptq" and scan_layers:
-        return (
+        return KnownFailure(
             "qwix 0.1.8: quantize_params on nn.scan-stacked Linen parameters computes scales "
             "over the wrong axes (the per-layer how-to-quantize is applied to the stacked "
             "array: attn/out kernel [2, 4, 16, 64] gets scale [1, 1, 16, 1], not [2, 1, 1, 64]"
-            " as NNX's quantize_model gives)"
+            " as NNX's quantize_model gives)",
+            _WRONG_SCALES.format(quant=quant),
         )
     return None
 

@@ -111,8 +111,8 @@ def _quantized(side: Side, params: Flat, batch: Any) -> tuple[dict[str, np.ndarr
     case = side.case
     arrays, left_out = {}, []
     for mode in sorted(quantization_modes(case.family)):
-        if (reason := quant.known_failure(mode, case.scan_layers)) is not None:
-            left_out.append(f"{mode}: {reason}")
+        if (known := quant.known_failure(mode, case.scan_layers)) is not None:
+            left_out.append(f"{mode}: {known.reason}")
             continue
         quantized = side.on(case.quantized(mode))
         logits = quantized.forward(quantized.runner.quantize(params), batch)[0]

@@ -10,7 +10,7 @@ from typing import Any
 
 from conformance.checks.declare import Check
 from conformance.contract import Family, divergences
-from conformance.core.failure import CheckFailure
+from conformance.core.failure import CheckFailure, KnownFailure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,12 @@ def expected_failure(
     ``values`` and ``parts`` (each axis's and parameter's value and test-id part) select
     the family's divergences (:class:`~conformance.contract.Divergence`); a first-edition key
     (``check`` or ``check[id fragment]``) matches ``case_id``. A known library failure
-    must fail as a check failure; a divergence a family declares may fail any way, since
-    it is the family's finding.
+    must fail as a check failure, showing its words if it has them
+    (:class:`~conformance.core.failure.KnownFailure`); a divergence a family declares
+    may fail any way its words allow, since it is the family's finding. The family's
+    finding comes first: where both select a test, the test is expected to fail as the
+    family says.
     """
-    if check.known_failure is not None and (reason := check.known_failure(values)):
-        return ExpectedFailure(reason, CheckFailure)
     typed, first_edition = divergences(family.known_divergences)
     for divergence in typed:
         if divergence.selects(check.name, parts, values):
@@ -63,4 +64,18 @@ def expected_failure(
     for key in first_edition:
         if key.marks(check.name, case_id):
             return ExpectedFailure(f"{family.name} known divergence: {key.reason}")
-    return None
+    return _library_failure(check, values)
+
+
+def _library_failure(check: Check, values: Mapping[str, Any]) -> ExpectedFailure | None:
+    """The check's known failure with the pinned libraries on a case of these ``values``.
+
+    A check may state it as a :class:`~conformance.core.failure.KnownFailure` (a reason
+    and the words its report shows) or as a reason alone.
+    """
+    known = check.known_failure(values) if check.known_failure is not None else None
+    if not known:
+        return None
+    if isinstance(known, KnownFailure):
+        return ExpectedFailure(known.reason, CheckFailure, known.shows)
+    return ExpectedFailure(known, CheckFailure)
