@@ -7,7 +7,13 @@ import pytest
 from conformance.checks import registry
 from conformance.contract import problems
 from conformance.core.failure import CheckFailure
+from conformance.core.roots import Goldens
+from conformance.core.sharding import parse_mesh
 from conformance.families import Divergence
+from conformance.pytest_plugin.divergences import divergence_problems
+from conformance.pytest_plugin.plan import plan
+from conformance.pytest_plugin.session import Settings
+from conformance.pytest_plugin.tiers import get_tier
 from conformance_models.gpt3.family import Gpt3Family
 
 OWN_TESTS = """
@@ -97,6 +103,43 @@ def test_words_match_anywhere_in_the_type_and_message(pytester, monkeypatch, sho
     pytester.makepyfile(OWN_TESTS.split("\n\n\ndef test_other_words")[0])
     result = pytester.runpytest("--conformance-family", "gpt3", "--conformance-tier", "default")
     result.assert_outcomes(xfailed=1)
+
+
+def _on_both_meshes(family: Gpt3Family) -> Settings:
+    meshes = (parse_mesh("fsdp=8"), parse_mesh("data=2,fsdp=2,tensor=2"))
+    return Settings((family,), meshes, (), get_tier("full"), "low", Goldens(None))
+
+
+class Shadowing(Gpt3Family):
+    known_divergences = (
+        Divergence("sharding_invariance", "scanned layers", {"scan_layers": True}),
+        Divergence(
+            "sharding_invariance",
+            "scanned layers on three axes",
+            {"scan_layers": True, "mesh": "data2-fsdp2-tensor2"},
+        ),
+        Divergence("layout", "remat on fsdp8", {"variant": "remat", "mesh": "fsdp8"}),
+        Divergence("layout", "remat", {"variant": "remat"}),
+    )
+
+
+def test_a_divergence_each_of_whose_tests_an_earlier_one_marks_is_a_problem():
+    """Planted: the second divergence can never mark a test, so it never holds its words."""
+    found = divergence_problems(Shadowing(), _on_both_meshes(Shadowing()))
+    assert found == [
+        "family 'gpt3' declares a known divergence of sharding_invariance (scanned layers on "
+        "three axes) that marks no test: an earlier one (scanned layers) marks each of the 2 it "
+        "selects (e.g. 'gpt3-data2-fsdp2-tensor2-scan-linen'); narrow or drop one of them"
+    ]
+
+
+def test_divergences_that_overlap_but_each_mark_a_test_are_no_problem():
+    """Benign: the wider one after the narrower one still marks the tests left to it."""
+    assert [
+        p.id
+        for p in plan(registry.get("layout"), Shadowing(), _on_both_meshes(Shadowing()))
+        if (expected := p.expected()) is not None and expected.reason.endswith(": remat")
+    ] == ["gpt3-data2-fsdp2-tensor2-remat"]
 
 
 def test_a_known_library_failure_holds_the_check_to_its_words():

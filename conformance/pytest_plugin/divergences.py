@@ -36,8 +36,9 @@ def divergence_problems(
     meshes or the default ones: by axis and parameter values (a
     :class:`~conformance.contract.Divergence`), or by a fragment of the test id (a
     first-edition ``check[fragment]`` key). Anything else is a typo that would silently
-    mark nothing. A check with no test here (``tpu_compile`` without ``--tpu``) keeps its
-    narrowing unchecked: it marks nothing in this run.
+    mark nothing; so is a divergence each of whose tests an earlier one marks (the first
+    that selects a test marks it). A check with no test here (``tpu_compile`` without
+    ``--tpu``) keeps its narrowing unchecked: it marks nothing in this run.
     """
     own = own or {}
     wider = _wider(run)
@@ -59,10 +60,11 @@ def divergence_problems(
         )
         return None
 
-    for divergence in typed:
+    for index, divergence in enumerate(typed):
         planned = tests("", divergence.check)
         if planned:
             found += _unselected(family, divergence, planned)
+            found += _shadowed(family, divergence, typed[:index], planned)
     for key in first_edition:
         ids = {p.id for p in tests(f"{key.key!r} ", key.check) or ()}
         if key.fragment is not None and ids and not any(key.fragment in i for i in ids):
@@ -97,6 +99,39 @@ def _unselected(family: Family, divergence: Divergence, planned: Sequence[Planne
                     f"(its {name}: {', '.join(sorted(seen))})"
                 )
     return problems
+
+
+def _shadowed(
+    family: Family,
+    divergence: Divergence,
+    before: Sequence[Divergence],
+    planned: Sequence[Planned],
+) -> list[str]:
+    """Why ``divergence`` marks none of the tests it selects, if those ``before`` mark them all.
+
+    The first divergence that selects a test marks it, so a later one whose tests are all
+    taken would be a finding no run can hold to its reason or its words.
+    """
+    selected = [p for p in planned if divergence.selects(p.check.name, p.parts, p.by_name())]
+    taken = [
+        next((d for d in before if d.selects(p.check.name, p.parts, p.by_name())), None)
+        for p in selected
+    ]
+    if not selected or None in taken:
+        return []
+    first = taken[0]
+    return [
+        f"family {family.name!r} declares a known divergence of {divergence.check} "
+        f"({_opening(divergence.reason)}) that marks no test: an earlier one "
+        f"({_opening(first.reason)}) marks each of the {len(selected)} it selects "
+        f"(e.g. {selected[0].id!r}); narrow or drop one of them"
+    ]
+
+
+def _opening(reason: str, words: int = 8) -> str:
+    """The first ``words`` words of a divergence's reason, to name it in one line."""
+    head = reason.split()
+    return " ".join(head[:words]) + (" ..." if len(head) > words else "")
 
 
 def first_edition_spellings(family: Family, run: Settings) -> list[str]:
