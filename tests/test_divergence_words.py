@@ -1,12 +1,13 @@
 """A declared divergence held to its words: a failure without them is a failure, not it."""
 
 import dataclasses
+import re
 
 import pytest
 
 from conformance.checks import registry
 from conformance.contract import problems
-from conformance.core.failure import CheckFailure
+from conformance.core.failure import CheckFailure, KnownFailure
 from conformance.core.roots import Goldens
 from conformance.core.sharding import parse_mesh
 from conformance.families import Divergence
@@ -128,8 +129,26 @@ def test_a_divergence_each_of_whose_tests_an_earlier_one_marks_is_a_problem():
     found = divergence_problems(Shadowing(), _on_both_meshes(Shadowing()))
     assert found == [
         "family 'gpt3' declares a known divergence of sharding_invariance (scanned layers on "
-        "three axes) that marks no test: an earlier one (scanned layers) marks each of the 2 it "
-        "selects (e.g. 'gpt3-data2-fsdp2-tensor2-scan-linen'); narrow or drop one of them"
+        "three axes) that marks no test: each of the 2 it selects (e.g. "
+        "'gpt3-data2-fsdp2-tensor2-scan-linen') is marked first by an earlier one (scanned "
+        "layers); narrow or drop one of them"
+    ]
+
+
+class SharedOut(Gpt3Family):
+    known_divergences = (
+        Divergence("layout", "remat", {"variant": "remat"}),
+        Divergence("layout", "the layer scan", {"variant": "scan_layers"}),
+        Divergence("layout", "on fsdp8", {"mesh": "fsdp8"}),
+    )
+
+
+def test_a_divergence_whose_tests_earlier_ones_share_out_is_a_problem_naming_them():
+    """Planted: two earlier divergences mark all the third's tests between them."""
+    assert divergence_problems(SharedOut(), _on_both_meshes(SharedOut())) == [
+        "family 'gpt3' declares a known divergence of layout (on fsdp8) that marks no test: "
+        "each of the 2 it selects (e.g. 'gpt3-fsdp8-remat') is marked first by earlier ones "
+        "(remat; the layer scan); narrow or drop one of them"
     ]
 
 
@@ -168,3 +187,8 @@ def test_a_checks_known_failure_given_as_a_reason_alone_takes_any_check_failure(
     check = dataclasses.replace(registry.get("hygiene"), known_failure=lambda values: "why")
     found = registry.expected_failure(check, Gpt3Family(), {}, "")
     assert found == registry.ExpectedFailure("why", CheckFailure)
+
+
+def test_a_known_failure_whose_words_are_no_regular_expression_is_refused_where_declared():
+    with pytest.raises(re.error, match="unterminated character set"):
+        KnownFailure("why", "replicated [")

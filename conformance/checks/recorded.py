@@ -24,6 +24,7 @@ explains) passes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def _known_qwix_failure(values: Mapping[str, Any]) -> KnownFailure | None:
     known = quant_failure(values["quant"], preferred_layout(values["family"]))
     if known is None:
         return None
-    return dataclasses.replace(known, shows=rf"holds no {values['quant']} logits")
+    return dataclasses.replace(known, shows=f"holds no {re.escape(values['quant'])} logits")
 
 
 @_against_recorded()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
@@ -24,11 +25,15 @@ class KnownFailure:
     """Why the pinned libraries make a check fail, and the words its report must show.
 
     ``shows`` is a regular expression the :class:`CheckFailure`'s ``Type: message`` must
-    contain, so a known library failure never stands for another failure of its test.
+    contain, so a known library failure never stands for another failure of its test; one
+    that does not compile raises ``re.error`` where the check declares it.
     """
 
     reason: str
     shows: str
+
+    def __post_init__(self) -> None:
+        re.compile(self.shows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,9 +36,10 @@ def divergence_problems(
     meshes or the default ones: by axis and parameter values (a
     :class:`~conformance.contract.Divergence`), or by a fragment of the test id (a
     first-edition ``check[fragment]`` key). Anything else is a typo that would silently
-    mark nothing; so is a divergence each of whose tests an earlier one marks (the first
-    that selects a test marks it). A check with no test here (``tpu_compile`` without
-    ``--tpu``) keeps its narrowing unchecked: it marks nothing in this run.
+    mark nothing; so is a divergence each of whose tests earlier ones mark (the first that
+    selects a test marks it; first-edition keys are not checked for that). A check with no
+    test here (``tpu_compile`` without ``--tpu``) keeps its narrowing unchecked: it marks
+    nothing in this run.
     """
     own = own or {}
     wider = _wider(run)
@@ -110,7 +111,9 @@ def _shadowed(
     """Why ``divergence`` marks none of the tests it selects, if those ``before`` mark them all.
 
     The first divergence that selects a test marks it, so a later one whose tests are all
-    taken would be a finding no run can hold to its reason or its words.
+    taken would be a finding no run can hold to its reason or its words. (A check's tests
+    are the product of its axes' and parameters' values, so a divergence each of whose
+    values some test has selects a test.)
     """
     selected = [p for p in planned if divergence.selects(p.check.name, p.parts, p.by_name())]
     taken = [
@@ -119,12 +122,14 @@ def _shadowed(
     ]
     if not selected or None in taken:
         return []
-    first = taken[0]
+    named = f"family {family.name!r} declares a known divergence of {divergence.check}"
+    named += f" ({_opening(divergence.reason)})"
+    earlier = list(dict.fromkeys(_opening(d.reason) for d in taken if d is not None))
+    by = "an earlier one" if len(earlier) == 1 else "earlier ones"
     return [
-        f"family {family.name!r} declares a known divergence of {divergence.check} "
-        f"({_opening(divergence.reason)}) that marks no test: an earlier one "
-        f"({_opening(first.reason)}) marks each of the {len(selected)} it selects "
-        f"(e.g. {selected[0].id!r}); narrow or drop one of them"
+        f"{named} that marks no test: each of the {len(selected)} it selects (e.g. "
+        f"{selected[0].id!r}) is marked first by {by} ({'; '.join(earlier)}); narrow or drop "
+        "one of them"
     ]
 
 

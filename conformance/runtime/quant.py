@@ -10,6 +10,7 @@ matched no operation (a silent no-op) can be reported.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -60,8 +61,8 @@ MODES: dict[str, QuantMode] = {
 """Every mode the suite knows, by name."""
 
 
-_WRONG_SCALES = r"CheckFailure: .* {quant} quantized parameters on mesh \S+: .*/scale"
-"""The words of Linen's stacked scales disagreeing with NNX's, for a mode ``quant``."""
+_WRONG_SCALES = r"CheckFailure: .* {quant} quantized parameters on mesh \S+: .*/kernel/array/scale"
+"""The words of Linen's stacked kernel scales disagreeing with NNX's, for a mode ``quant``."""
 
 
 def known_failure(quant: str, scan_layers: bool) -> KnownFailure | None:
@@ -72,7 +73,7 @@ def known_failure(quant: str, scan_layers: bool) -> KnownFailure | None:
             "over the wrong axes (the per-layer how-to-quantize is applied to the stacked "
             "array: attn/out kernel [2, 4, 16, 64] gets scale [1, 1, 16, 1], not [2, 1, 1, 64]"
             " as NNX's quantize_model gives)",
-            _WRONG_SCALES.format(quant=quant),
+            _WRONG_SCALES.format(quant=re.escape(quant)),
         )
     return None
 

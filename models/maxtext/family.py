@@ -339,6 +339,8 @@ _DUPLICATE_RNGS = (
 )
 """The words of a tree-mode build meeting a shared ``nnx.Rngs`` (the ``tree_mode`` check
 names the references themselves)."""
+_UNQUANTIZED = r"ptq_\w+ quantized parameters on mesh \S+: \d+ leaf\(s\) disagree"
+"""The words of Linen's PTQ kernels left float against NNX's ``qvalue`` and ``scale``."""
 _CARRY_TYPES = r"TypeError.*scan body function carry input and carry output must have equal"
 """The words of the layer scan losing the carry's layout on explicit axes."""
 _BATCH_SHARDING = (
@@ -356,7 +358,10 @@ _MESH3 = MappingProxyType({"mesh": "data2-fsdp2-tensor2"})
 def _ptq_divergences(leaves: str) -> tuple[Divergence, ...]:
     """PTQ's parameter layout and forward fail alike: Linen kernels are never quantized."""
     reason = _PTQ_LINEN.format(leaves=leaves)
-    return Divergence("quant_params", reason, _PTQ), Divergence("quant_forward", reason, _PTQ)
+    return (
+        Divergence("quant_params", reason, _PTQ, r"ptq_\w+: \d+ difference\(s\)"),
+        Divergence("quant_forward", reason, _PTQ, _UNQUANTIZED),
+    )
 
 
 _MOE_AQT = (
@@ -806,7 +811,7 @@ class MaxTextDeepseek3(MaxTextFamily):
                 ),
                 *_EXPLICIT_NORM,
                 *_EXPLICIT_SCANNED_NORM,
-                # The layer scan's finding, where the RMSNorm's does not come first: on
+                # The layer scan's finding where the RMSNorm's does not come first: on
                 # fsdp8, where nothing splits over tensor (the primary mesh's checks,
                 # explicit_sharding and cost, raise at the RMSNorm).
                 *_on_explicit_axes(
@@ -814,6 +819,7 @@ class MaxTextDeepseek3(MaxTextFamily):
                     tuple(c for c in _ON_THE_EXPLICIT_PAIR if c != "cost"),
                     _CARRY_TYPES,
                     **_SCAN,
+                    mesh="fsdp8",
                 ),
                 *_resumed_on_explicit_axes(_NORM_FIRST + _NORM_UNALIGNED, _BATCH_SHARDING),
                 *_on_explicit_axes(

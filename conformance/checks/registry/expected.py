@@ -18,7 +18,8 @@ class ExpectedFailure:
     """Why a test is expected to fail: a strict xfail, optionally of one exception type.
 
     ``shows``, if set, is a regular expression the failure's message must contain
-    (:attr:`~conformance.contract.Divergence.shows`).
+    (:attr:`~conformance.contract.Divergence.shows`,
+    :attr:`~conformance.core.failure.KnownFailure.shows`).
     """
 
     reason: str
