@@ -108,11 +108,13 @@ class Family(abc.ABC):
     Each is a :class:`~conformance.contract.Divergence`: a check, narrowed by axis and
     parameter values (``Divergence("layout", why, {"mesh": "fsdp8", "scan_layers":
     True})``). The suite marks those tests as strict expected failures, so a fix
-    upstream turns them red until the entry is removed. One that can mark no test (no
-    such check, axis or value) is a usage error when the suite is collected. A finding
-    may declare its words (``shows=r"Duplicate RngCount"``, a regular expression): a
-    test it marks that fails without them fails. Without ``shows`` (the default), any
-    failure of a marked test counts as the finding.
+    upstream turns them red until the entry is removed. The first that selects a test
+    marks it, before any known library failure of the check. One that can mark no test
+    (no such check, axis or value, or each of its tests marked by an earlier one) is a
+    usage error when the suite is collected. A finding may declare its words
+    (``shows=r"Duplicate RngCount"``, a regular expression): a test it marks that fails
+    without them fails. Without ``shows`` (the default), any failure of a marked test
+    counts as the finding.
 
     The first edition's spelling, ``{key: reason}`` with a key ``"check"`` or
     ``"check[id fragment]"`` (a test-id substring), still works.
