@@ -48,27 +48,26 @@ class _Layer(nnx.Module):
         self.attention = _Attention(rngs.fork() if fork else rngs)
 
 
-def _built_in_tree_mode(fork: bool) -> list[str]:
-    with nnx.set_graph_mode(False), nnx.set_graph_updates(False):
+def _built(fork: bool, graph: bool = False) -> set[str]:
+    """The state paths of a ``_Layer`` built in tree mode, or in graph mode."""
+    with nnx.set_graph_mode(graph), nnx.set_graph_updates(graph):
         _, state = nnx.split(_Layer(nnx.Rngs(0), fork=fork))
-    return ["/".join(map(str, path)) for path, _ in nnx.to_flat_state(state)]
+    return {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
 
 
 def test_a_module_keeping_the_rngs_it_hands_on_cannot_build_in_tree_mode():
     """maxtext-gpt3, -gemma2, -deepseek3 ``tree_mode``: ``Rngs at decoder/layers/rngs and
     decoder/layers/self_attention/rngs``. In graph mode the two paths share one object."""
     with pytest.raises(ValueError, match=r"(?s)Duplicate RngCount.*\.attention\.rngs\.default"):
-        _built_in_tree_mode(fork=False)
-    with nnx.set_graph_mode(True), nnx.set_graph_updates(True):
-        _, state = nnx.split(_Layer(nnx.Rngs(0), fork=False))
-    paths = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
+        _built(fork=False)
+    paths = _built(fork=False, graph=True)
     assert "attention/rngs/default/count" in paths  # one object, kept at its first path
     assert "rngs/default/count" not in paths
 
 
 def test_forked_rngs_build_in_tree_mode():
     """The rewrite: the sub-module gets streams of its own (``rngs.fork()``)."""
-    assert {"rngs/default/count", "attention/rngs/default/count"} <= set(_built_in_tree_mode(True))
+    assert {"rngs/default/count", "attention/rngs/default/count"} <= _built(fork=True)
 
 
 def _kv_update(cache: jax.Array, update: jax.Array, resharded: bool) -> jax.Array:
