@@ -14,7 +14,10 @@ built-in families); any other argument goes to pytest, e.g.
 
 ``--budget`` instead runs each tier of :data:`BUDGET` as ``make parity TIER=<tier>``
 does (the built-in families, one pytest-xdist worker per core, at most 4, cache off) and
-prints its wall time against the tier's budget.
+prints its wall time against the tier's budget. One machine's speed moves by up to 2.4x
+from hour to hour, so ``--budget --calibrate`` first runs :data:`REFERENCE` (a commit whose
+time in the budget's hour is recorded) in a worktree and venv of its own, and scales the
+budgets by how much slower it runs now; ``--scale`` sets that factor by hand instead.
 
 This is a benchmark, not a test: it never fails on a time (``--budget`` fails only when
 a run itself fails).
@@ -32,6 +35,9 @@ import time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SUITE = "conformance/suite"
 BUILTIN = ("gpt3", "llama", "moe")
@@ -42,6 +48,22 @@ RUNS = ("ci", "cold", "warm")
 BUDGET = {"smoke": 180.0, "default": 420.0}
 """Seconds each tier's parity run may take on a fresh clone, cache off, on the faster of
 CI's 2-core machine kinds (docs/speed.md); CI per change has 30 minutes in all."""
+
+
+class Reference(NamedTuple):
+    """A commit's tier and its wall seconds (once set up) in the hour the budgets were set in.
+
+    Run again beside a measurement, it gives that hour's speed.
+    """
+
+    commit: str
+    tier: str
+    seconds: float
+
+
+REFERENCE = Reference("3aef52a", "smoke", 161.0)
+"""The first row of docs/speed.md's table: the smoke tier at 3aef52a on machine A, with the
+pins of today's constraints files."""
 
 
 def run_suite(
@@ -95,30 +117,85 @@ def totals(junit: Path, key: str) -> dict[str, tuple[int, float, int, float]]:
     return {k: (int(n), t, int(c), cs) for k, (n, t, c, cs) in sorted(sums.items())}
 
 
+def parity_workers() -> int:
+    """The pytest-xdist workers ``make parity`` starts: one per core (``nproc``), at most 4."""
+    return min(len(os.sched_getaffinity(0)), 4)
+
+
+def parity_wall(
+    python: Path, cwd: Path, tier: str, families: list[str], pytest_args: list[str]
+) -> tuple[float, int]:
+    """Run one tier as ``make parity TIER=<tier>`` does, cache off; return (wall s, exit code).
+
+    ``python`` runs it in ``cwd``, on :func:`parity_workers` pytest-xdist workers.
+    """
+    workers = parity_workers()
+    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    command = [str(python), "-m", "conformance", "--tier", tier]
+    command += [a for f in families for a in ("--family", f)]
+    command += [*(["-n", str(workers)] if workers > 1 else []), *pytest_args]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, check=False)
+    return time.perf_counter() - start, done.returncode
+
+
+def calibrate(reference: Reference) -> float:
+    """How many times slower this machine runs now than in the hour the budgets were set in.
+
+    That is the reference commit's tier, run now in a worktree and venv of its own, over its
+    recorded seconds. Raises ``SystemExit`` with one line when the reference cannot be set
+    up or does not pass.
+    """
+    with tempfile.TemporaryDirectory(prefix="conformance-reference-") as tmp:
+        tree = Path(tmp) / "reference"
+        git = ["git", "-C", str(ROOT), "worktree"]
+        added = subprocess.run(
+            [*git, "add", "--detach", "--quiet", str(tree), reference.commit],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if added.returncode != 0:
+            raise SystemExit(
+                f"error: cannot check out the reference {reference.commit}: {added.stderr.strip()}"
+            )
+        try:
+            setup = subprocess.run(
+                ["make", "-C", str(tree), "setup"], capture_output=True, check=False
+            )
+            if setup.returncode != 0:
+                raise SystemExit(f"error: `make setup` of the reference {reference.commit} failed")
+            print(f"reference {reference.commit}, tier {reference.tier}: ", end="", flush=True)
+            python = tree / ".venv" / "bin" / "python"
+            wall, code = parity_wall(python, tree, reference.tier, list(BUILTIN), [])
+        finally:
+            subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True, check=False)
+    if code != 0:
+        raise SystemExit(f"error: the reference {reference.commit} exited {code}")
+    scale = wall / reference.seconds
+    print(f"{wall:.1f} s now, {reference.seconds:.0f} s in the budgets' hour: x{scale:.2f}")
+    return scale
+
+
 def budget(families: list[str], scale: float, pytest_args: list[str]) -> int:
     """Run each tier of :data:`BUDGET` as ``make parity`` does; print it against its budget.
 
-    ``scale`` multiplies the budgets, for a slower machine (2.39 on **B** of docs/speed.md).
-    Returns 1 when a run did not pass (its time then says nothing), else 0.
+    ``scale`` multiplies the budgets, for a slower machine or hour (2.39 on **B** of
+    docs/speed.md, or what :func:`calibrate` measured). Returns 1 when a run did not pass
+    (its time then says nothing), else 0.
     """
-    workers = min(len(os.sched_getaffinity(0)), 4)  # as `nproc`, which make parity uses
+    workers = parity_workers()
     failed = 0
-    env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     print(f"each tier as `make parity TIER=<tier>` runs it: {', '.join(families)}, ", end="")
     print(f"{workers} worker(s) on {os.cpu_count()} CPU cores, compilation cache off")
     print(f"{'tier':<8} {'wall':>8} {'budget':>8}  verdict")
     for tier, seconds in BUDGET.items():
         allowed = seconds * scale
-        command = [sys.executable, "-m", "conformance", "--tier", tier]
-        command += [a for f in families for a in ("--family", f)]
-        command += [*(["-n", str(workers)] if workers > 1 else []), *pytest_args]
-        start = time.perf_counter()
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        wall = time.perf_counter() - start
+        wall, code = parity_wall(Path(sys.executable), ROOT, tier, families, pytest_args)
         verdict = "within" if wall <= allowed else f"over by {100 * (wall / allowed - 1):.0f} %"
-        if done.returncode != 0:
-            failed, verdict = 1, f"not measured: the run exited {done.returncode}"
+        if code != 0:
+            failed, verdict = 1, f"not measured: the run exited {code}"
         print(f"{tier:<8} {wall:7.1f}s {allowed:7.0f}s  {verdict}")
     print(f"CI per change: `.ci/run` prints its own wall time (budget {1800 * scale:.0f} s)")
     return failed
@@ -136,10 +213,18 @@ def main() -> int:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply the budgets (2.39 on machine B)"
     )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help=f"with --budget: scale the budgets by this hour's speed ({REFERENCE.commit} run now)",
+    )
     args, pytest_args = parser.parse_known_args()
     families = args.family or list(BUILTIN)
+    if args.calibrate and not args.budget:
+        parser.error("--calibrate goes with --budget")
     if args.budget:
-        return budget(families, args.scale, pytest_args)
+        scale = calibrate(REFERENCE) if args.calibrate else args.scale
+        return budget(families, scale, pytest_args)
     pytest_args = [
         "--conformance-tier",
         args.tier,
