@@ -14,7 +14,7 @@ built-in families); any other argument goes to pytest, e.g.
 
 ``--budget`` instead runs each tier of :data:`BUDGET` as ``make parity TIER=<tier>``
 does (the built-in families, one pytest-xdist worker per core, at most 4, cache off) and
-prints its wall time against the tier's budget. One machine's speed moves by up to 2.4x
+prints its wall time against the tier's budget. One machine's speed moves by up to 2.2x
 from hour to hour, so ``--budget --calibrate`` first runs :data:`REFERENCE` (a commit whose
 time in the budget's hour is recorded) in a worktree and venv of its own, and scales the
 budgets by how much slower it runs now; ``--scale`` sets that factor by hand instead.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,9 +62,9 @@ class Reference(NamedTuple):
     seconds: float
 
 
-REFERENCE = Reference("3aef52a", "smoke", 161.0)
-"""The first row of docs/speed.md's table: the smoke tier at 3aef52a on machine A, with the
-pins of today's constraints files."""
+REFERENCE = Reference("3aef52a3f74b3782f194b88bb75348ddc1e2fa4e", "smoke", 161.0)
+"""The first row of docs/speed.md's table: the smoke tier at 3aef52a on machine A; run again,
+it installs the pins of its own constraints files."""
 
 
 def run_suite(
@@ -147,34 +148,42 @@ def calibrate(reference: Reference) -> float:
     recorded seconds. Raises ``SystemExit`` with one line when the reference cannot be set
     up or does not pass.
     """
+    short = reference.commit[:7]
+    if missing := [tool for tool in ("git", "make") if shutil.which(tool) is None]:
+        raise SystemExit(f"error: --calibrate needs {' and '.join(missing)} on PATH")
+
+    def git(*args: str) -> int:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, check=False
+        ).returncode
+
+    if git("cat-file", "-e", f"{reference.commit}^{{commit}}") != 0:
+        raise SystemExit(
+            f"error: the reference {short} is not in this clone's history "
+            "(`git fetch --unshallow` brings it)"
+        )
     with tempfile.TemporaryDirectory(prefix="conformance-reference-") as tmp:
         tree = Path(tmp) / "reference"
-        git = ["git", "-C", str(ROOT), "worktree"]
-        added = subprocess.run(
-            [*git, "add", "--detach", "--quiet", str(tree), reference.commit],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if added.returncode != 0:
-            raise SystemExit(
-                f"error: cannot check out the reference {reference.commit}: {added.stderr.strip()}"
-            )
+        if git("worktree", "add", "--detach", "--quiet", str(tree), reference.commit) != 0:
+            raise SystemExit(f"error: cannot check out the reference {short} in {tmp}")
         try:
             setup = subprocess.run(
-                ["make", "-C", str(tree), "setup"], capture_output=True, check=False
+                ["make", "-C", str(tree), "setup"], capture_output=True, text=True, check=False
             )
             if setup.returncode != 0:
-                raise SystemExit(f"error: `make setup` of the reference {reference.commit} failed")
-            print(f"reference {reference.commit}, tier {reference.tier}: ", end="", flush=True)
+                lines = [line for line in setup.stderr.splitlines() if "***" not in line]
+                why = (lines or ["no output"])[-1].strip()
+                raise SystemExit(f"error: `make setup` of the reference {short} failed: {why}")
             python = tree / ".venv" / "bin" / "python"
             wall, code = parity_wall(python, tree, reference.tier, list(BUILTIN), [])
         finally:
-            subprocess.run([*git, "remove", "--force", str(tree)], capture_output=True, check=False)
+            git("worktree", "remove", "--force", str(tree))
+            git("worktree", "prune")
     if code != 0:
-        raise SystemExit(f"error: the reference {reference.commit} exited {code}")
+        raise SystemExit(f"error: the reference {short}'s {reference.tier} tier exited {code}")
     scale = wall / reference.seconds
-    print(f"{wall:.1f} s now, {reference.seconds:.0f} s in the budgets' hour: x{scale:.2f}")
+    then = f"{reference.seconds:.0f} s in the budgets' hour"
+    print(f"reference {short}, tier {reference.tier}: {wall:.1f} s now, {then}: x{scale:.2f}")
     return scale
 
 
@@ -222,6 +231,8 @@ def main() -> int:
     families = args.family or list(BUILTIN)
     if args.calibrate and not args.budget:
         parser.error("--calibrate goes with --budget")
+    if args.calibrate and args.scale != 1.0:
+        parser.error("--calibrate measures the scale: give it or --scale, not both")
     if args.budget:
         scale = calibrate(REFERENCE) if args.calibrate else args.scale
         return budget(families, scale, pytest_args)
