@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+from types import MappingProxyType
 
 import pytest
 
@@ -159,6 +160,41 @@ def test_divergences_that_overlap_but_each_mark_a_test_are_no_problem():
         for p in plan(registry.get("layout"), Shadowing(), _on_both_meshes(Shadowing()))
         if (expected := p.expected()) is not None and expected.reason.endswith(": remat")
     ] == ["gpt3-data2-fsdp2-tensor2-remat"]
+
+
+class ShadowingFirstEdition(Gpt3Family):
+    known_divergences = MappingProxyType(
+        {
+            "layout[remat]": "remat",
+            "layout[fsdp8-remat]": "remat on fsdp8",
+            "hygiene[fsdp8]": "on fsdp8",
+            "hygiene": "anywhere",
+        }
+    )
+
+
+def test_a_first_edition_key_each_of_whose_tests_an_earlier_key_marks_is_a_problem():
+    """Planted: the narrower key after the wider one marks nothing, in the first edition too."""
+    family = ShadowingFirstEdition()
+    assert divergence_problems(family, _on_both_meshes(family)) == [
+        "family 'gpt3' declares a known divergence 'layout[fsdp8-remat]' that marks no test: "
+        "each of the 1 it matches (e.g. 'gpt3-fsdp8-remat') is marked first by "
+        "'layout[remat]'; narrow or drop one of them"
+    ]
+
+
+def test_a_wider_first_edition_key_after_a_narrower_one_still_marks_the_rest():
+    """Benign: ``hygiene`` after ``hygiene[fsdp8]`` marks the tests on the other mesh."""
+    family = ShadowingFirstEdition()
+    reasons = {
+        p.id: expected.reason
+        for p in plan(registry.get("hygiene"), family, _on_both_meshes(family))
+        if (expected := p.expected()) is not None
+    }
+    assert sorted(set(reasons.values())) == [
+        "gpt3 known divergence: anywhere",
+        "gpt3 known divergence: on fsdp8",
+    ]
 
 
 def test_a_known_library_failure_holds_the_check_to_its_words():

@@ -13,7 +13,7 @@ import difflib
 from collections.abc import Mapping, Sequence
 
 from conformance.checks.registry import checks
-from conformance.contract import Divergence, Family, divergences
+from conformance.contract import Divergence, Family, FirstEditionKey, divergences
 from conformance.core.sharding import parse_mesh
 from conformance.pytest_plugin.options import DEFAULT_MESHES
 from conformance.pytest_plugin.plan import Planned, plan
@@ -37,7 +37,7 @@ def divergence_problems(
     :class:`~conformance.contract.Divergence`), or by a fragment of the test id (a
     first-edition ``check[fragment]`` key). Anything else is a typo that would silently
     mark nothing; so is a divergence each of whose tests earlier ones mark (the first that
-    selects a test marks it; first-edition keys are not checked for that). A check with no
+    selects a test marks it, in either edition). A check with no
     test here (``tpu_compile`` without ``--tpu``) keeps its narrowing unchecked: it marks
     nothing in this run.
     """
@@ -66,13 +66,15 @@ def divergence_problems(
         if planned:
             found += _unselected(family, divergence, planned)
             found += _shadowed(family, divergence, typed[:index], planned)
-    for key in first_edition:
-        ids = {p.id for p in tests(f"{key.key!r} ", key.check) or ()}
+    for index, key in enumerate(first_edition):
+        ids = sorted({p.id for p in tests(f"{key.key!r} ", key.check) or ()})
         if key.fragment is not None and ids and not any(key.fragment in i for i in ids):
             found.append(
                 f"family {family.name!r} declares a known divergence {key.key!r}, but no test "
-                f"of {key.check} has {key.fragment!r} in its id (e.g. {sorted(ids)[0]!r})"
+                f"of {key.check} has {key.fragment!r} in its id (e.g. {ids[0]!r})"
             )
+        else:
+            found += _shadowed_key(family, key, first_edition[:index], ids)
     return found
 
 
@@ -130,6 +132,25 @@ def _shadowed(
         f"{named} that marks no test: each of the {len(selected)} it selects (e.g. "
         f"{selected[0].id!r}) is marked first by {by} ({'; '.join(earlier)}); narrow or drop "
         "one of them"
+    ]
+
+
+def _shadowed_key(
+    family: Family, key: FirstEditionKey, before: Sequence[FirstEditionKey], ids: Sequence[str]
+) -> list[str]:
+    """Why the first-edition ``key`` marks none of its tests ``ids``, if keys ``before`` do.
+
+    The first key that matches a test marks it, as :func:`_shadowed` says of divergences.
+    """
+    marked = [i for i in ids if key.marks(key.check, i)]
+    taken = [next((k for k in before if k.marks(key.check, i)), None) for i in marked]
+    if not marked or None in taken:
+        return []
+    earlier = ", ".join(dict.fromkeys(repr(k.key) for k in taken if k is not None))
+    return [
+        f"family {family.name!r} declares a known divergence {key.key!r} that marks no test: "
+        f"each of the {len(marked)} it matches (e.g. {marked[0]!r}) is marked first by "
+        f"{earlier}; narrow or drop one of them"
     ]
 
 
