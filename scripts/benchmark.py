@@ -18,6 +18,8 @@ prints its wall time against the tier's budget. One machine's speed moves by up 
 from hour to hour, so ``--budget --calibrate`` first runs :data:`REFERENCE` (a commit whose
 time in the budget's hour is recorded) in a worktree and venv of its own, and scales the
 budgets by how much slower it runs now; ``--scale`` sets that factor by hand instead.
+``--calibrate`` alone prints the factor and stops: taken before and after ``.ci/run``, it
+scales CI's 30 minutes the same way.
 
 This is a benchmark, not a test: it never fails on a time (``--budget`` fails only when
 a run itself fails).
@@ -225,17 +227,19 @@ def main() -> int:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help=f"with --budget: scale the budgets by this hour's speed ({REFERENCE.commit} run now)",
+        help=f"measure this hour's speed ({REFERENCE.commit[:7]} run now); with --budget, "
+        "scale the budgets by it",
     )
     args, pytest_args = parser.parse_known_args()
     families = args.family or list(BUILTIN)
-    if args.calibrate and not args.budget:
-        parser.error("--calibrate goes with --budget")
     if args.calibrate and args.scale != 1.0:
         parser.error("--calibrate measures the scale: give it or --scale, not both")
+    scale = calibrate(REFERENCE) if args.calibrate else args.scale
     if args.budget:
-        scale = calibrate(REFERENCE) if args.calibrate else args.scale
         return budget(families, scale, pytest_args)
+    if args.calibrate:  # the hour's factor alone, e.g. taken before and after a `.ci/run`
+        print(f"CI per change at this speed: budget {1800 * scale:.0f} s (30 minutes x{scale:.2f})")
+        return 0
     pytest_args = [
         "--conformance-tier",
         args.tier,
