@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from conformance.checks.registry import checks
 from conformance.contract import Divergence, Family, FirstEditionKey, divergences
@@ -118,15 +118,14 @@ def _shadowed(
     values some test has selects a test.)
     """
     selected = [p for p in planned if divergence.selects(p.check.name, p.parts, p.by_name())]
-    taken = [
-        next((d for d in before if d.selects(p.check.name, p.parts, p.by_name())), None)
-        for p in selected
-    ]
-    if not selected or None in taken:
+    taken = _marked_first(
+        selected, before, lambda d, p: d.selects(p.check.name, p.parts, p.by_name())
+    )
+    if taken is None:
         return []
     named = f"family {family.name!r} declares a known divergence of {divergence.check}"
     named += f" ({_opening(divergence.reason)})"
-    earlier = list(dict.fromkeys(_opening(d.reason) for d in taken if d is not None))
+    earlier = list(dict.fromkeys(_opening(d.reason) for d in taken))
     by = "an earlier one" if len(earlier) == 1 else "earlier ones"
     return [
         f"{named} that marks no test: each of the {len(selected)} it selects (e.g. "
@@ -143,15 +142,31 @@ def _shadowed_key(
     The first key that matches a test marks it, as :func:`_shadowed` says of divergences.
     """
     marked = [i for i in ids if key.marks(key.check, i)]
-    taken = [next((k for k in before if k.marks(key.check, i)), None) for i in marked]
-    if not marked or None in taken:
+    taken = _marked_first(marked, before, lambda k, i: k.marks(key.check, i))
+    if taken is None:
         return []
-    earlier = ", ".join(dict.fromkeys(repr(k.key) for k in taken if k is not None))
+    earlier = ", ".join(dict.fromkeys(repr(k.key) for k in taken))
     return [
         f"family {family.name!r} declares a known divergence {key.key!r} that marks no test: "
         f"each of the {len(marked)} it matches (e.g. {marked[0]!r}) is marked first by "
         f"{earlier}; narrow or drop one of them"
     ]
+
+
+def _marked_first[E, T](
+    tests: Sequence[T], before: Sequence[E], marks: Callable[[E, T], bool]
+) -> list[E] | None:
+    """The first of ``before`` that ``marks`` each of ``tests``, or ``None`` if any is left.
+
+    ``None`` too when there are no tests: nothing is taken from a divergence that selects none.
+    """
+    found: list[E] = []
+    for test in tests:
+        entry = next((e for e in before if marks(e, test)), None)
+        if entry is None:
+            return None
+        found.append(entry)
+    return found or None
 
 
 def _opening(reason: str, words: int = 8) -> str:
