@@ -117,7 +117,9 @@ class Family(abc.ABC):
     counts as the finding.
 
     The first edition's spelling, ``{key: reason}`` with a key ``"check"`` or
-    ``"check[id fragment]"`` (a test-id substring), still works.
+    ``"check[id fragment]"`` (a test-id substring), still works; there too the first key
+    that matches a test marks it, and a key each of whose tests an earlier one matches is a
+    usage error.
     """
 
     unsupported: Mapping[str, str] = MappingProxyType({})
