@@ -116,11 +116,14 @@ test: $(STAMP)
 
 ## The built-in families' smoke tier as an emulated 2-host run: 2 processes of 4 CPU
 ## devices each, joined by jax.distributed (see docs/multihost.md).
-## MULTIHOST_CHECKS narrows it, as a pytest -k expression (CI's per-change run does).
+## MULTIHOST_CHECKS narrows it, as a pytest -k expression, and MULTIHOST_FAMILIES to some
+## of the built-in families (CI's per-change run does both).
 MULTIHOST_CHECKS ?=
+MULTIHOST_FAMILIES ?= gpt3 llama moe
 
 multihost: $(STAMP)
-	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 $(BUILTIN) \
+	$(BIN)/python -m conformance --processes 2 --devices-per-process 4 \
+	  $(foreach f,$(MULTIHOST_FAMILIES),--family $(f)) \
 	  --tier smoke $(if $(MULTIHOST_CHECKS),-k '$(MULTIHOST_CHECKS)') $(REPORT_ARG) $(ARGS)
 
 ## The MaxText families alone, in the venv of maxtext $(MAXTEXT) (the default run skips
