@@ -7,6 +7,7 @@ import pytest
 
 from conformance.core import programs, scope
 from conformance.core.scope import Scope
+from conformance.pytest_plugin.progress import CACHE_HIT_EVENT
 from conformance.runtime import activations
 
 
@@ -126,7 +127,7 @@ def test_a_program_that_inspects_a_sharding_is_compiled_each_time_it_is_needed()
     read_back = []
 
     def hits(event: str, **_) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
+        if event == CACHE_HIT_EVENT:
             read_back.append(event)
 
     jax.monitoring.register_event_listener(hits)
