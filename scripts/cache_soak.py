@@ -13,6 +13,11 @@ from the reference and crashes; writes the same as ``soak.json``, and each run's
 reports, under ``--out``. The cache is safe for CI only after ``--runs 20`` shows no crash
 and no differing verdict (docs/development.md, "The persistent compilation cache is opt-in").
 
+``--reference DIR`` takes the cache-off run from an earlier soak's ``run-00-off``
+directory instead of running it again, so that the runs a long soak needs can be spread
+over several sittings: it must have been run with the tests, pins and ``.ci/run`` checked
+out now, and each row of ``soak.json`` names its commit.
+
 This is a soak, not a test: its exit status is 1 when any run crashed or a verdict
 differed, else 0. It takes about as long as ``--runs + 1`` CI runs, one at a time.
 """
@@ -72,6 +77,7 @@ def ci_run(cache: str, out: Path) -> dict[str, object]:
     shutil.copytree(ROOT / "reports", out / "reports")
     text = (out / "ci.log").read_text(errors="replace")
     return {
+        "commit": head(),
         "cache": cache,
         "exit": rc,
         "wall_s": round(wall, 1),
@@ -80,6 +86,11 @@ def ci_run(cache: str, out: Path) -> dict[str, object]:
         "summary": next((line for line in text.splitlines() if line.startswith("CI_SCOPE=")), ""),
         "verdicts": verdicts(out / "reports"),
     }
+
+
+def head() -> str:
+    """The commit checked out in this repository."""
+    return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
 
 
 def differences(reference: dict[str, str], run: dict[str, str]) -> list[str]:
@@ -96,12 +107,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20, help="cache-on CI runs (default 20)")
     parser.add_argument("--out", type=Path, required=True, help="a new directory for the logs")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="an earlier soak's run-00-off directory, at this commit, instead of a new one",
+    )
     args = parser.parse_args()
     if args.out.exists():
         parser.error(f"--out {args.out} exists; name a new directory")
+    reference: dict[str, str] = {}
+    if args.reference is not None:
+        reference = verdicts(args.reference / "reports")
+        if not reference:
+            parser.error(f"--reference {args.reference} has no reports/**/junit.xml")
     rows: list[dict[str, object]] = []
     bad = False
-    for index in range(args.runs + 1):
+    for index in range(1 if reference else 0, args.runs + 1):
         cache = "off" if index == 0 else "shared"
         row = ci_run(cache, args.out / f"run-{index:02d}-{cache}")
         found = row.pop("verdicts")
