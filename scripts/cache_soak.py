@@ -110,7 +110,8 @@ def main() -> int:
     parser.add_argument(
         "--reference",
         type=Path,
-        help="an earlier soak's run-00-off directory, at this commit, instead of a new one",
+        help="an earlier soak's run-00-off directory, run with this checkout's tests, pins and "
+        ".ci/run, instead of a new cache-off run",
     )
     args = parser.parse_args()
     if args.out.exists():
